@@ -1,0 +1,3 @@
+"""kimi-serve: keeps an SGLang server actually serving."""
+
+__version__ = "0.1.0"

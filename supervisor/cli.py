@@ -1,0 +1,207 @@
+"""`kimi-serve` command line. Exit codes follow the contract; no traceback reaches an operator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from supervisor import __version__
+from supervisor import config as config_mod
+from supervisor.config import Config, ConfigError
+
+EX_OK = 0
+EX_FAIL = 1
+EX_NOT_READY = 3
+EX_UNREACHABLE = 4
+EX_CONFIG = 78  # EX_CONFIG from sysexits.h; the unit lists it in RestartPreventExitStatus=
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse's own exit code is 2; a usage error is a usage error, keep that.
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
+    path = config_mod.resolve_path(args.config)
+    try:
+        return config_mod.load(path)
+    except ConfigError as exc:
+        print(exc.render(), file=err)
+        return None
+
+
+def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    print("ok", file=out)
+    return EX_OK
+
+
+def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import command
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    profile = args.profile or config_mod.PRIMARY
+    if profile not in cfg.profile_names:
+        print(
+            f"{cfg.path}: profile {profile!r} is not defined "
+            f"(profiles: {', '.join(cfg.profile_names)})",
+            file=err,
+        )
+        return EX_CONFIG
+    spec = command.build(cfg, profile)
+    print(spec.shell(), file=out)
+    for line in spec.env_lines():
+        print(f"env: {line}", file=out)
+    return EX_OK
+
+
+def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import log
+    from supervisor.daemon import Daemon
+
+    cfg = _load(args, err)
+    if cfg is None:
+        from supervisor.notify import Notifier
+
+        Notifier().status("failed to start: configuration invalid (see the log)")
+        return EX_CONFIG
+    log.setup(cfg.logging.format, cfg.logging.level)
+    return asyncio.run(Daemon(cfg).run())
+
+
+def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import httpx
+
+    from supervisor import command
+    from supervisor.probe import probe
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    url = args.url or f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+    speculative = command.build(cfg).speculative
+
+    async def once() -> Any:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await probe(client, url, cfg.readiness.probe, speculative)
+
+    result = asyncio.run(once())
+    verdict = "ok" if result.ok else f"FAILED ({result.reason})"
+    print(f"probe {url} ({cfg.readiness.probe.endpoint}): {verdict}", file=out)
+    print(f"  latency: {result.latency_s * 1000:.1f} ms", file=out)
+    print(f"  completion_tokens: {result.completion_tokens}", file=out)
+    if result.spec_verify_ct is not None:
+        print(f"  spec_verify_ct: {result.spec_verify_ct}", file=out)
+    if result.text is not None:
+        print(f"  text: {result.text!r}", file=out)
+    if result.error:
+        print(f"  error: {result.error}", file=out)
+    return EX_OK if result.ok else EX_FAIL
+
+
+def cmd_preflight(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import preflight
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    return preflight.run_preflight_command(cfg, out)
+
+
+def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import gpu
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    return gpu.run_gpu_clean(cfg, args.dry_run, out)
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import status
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    return status.run_status_command(cfg, args.json, out, err, url=args.url)
+
+
+def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import demo
+
+    return demo.run_demo(
+        args.fault, out, err, load_seconds=args.load_seconds, duration=args.duration
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kimi-serve",
+        description="Keeps an SGLang server actually serving: launches it, reports ready only "
+        "after a real decode, restarts it on death, hangs and fatal log lines.",
+    )
+    parser.add_argument("--version", action="version", version=f"kimi-serve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    config_help = (
+        f"config file (default ${config_mod.CONFIG_ENV}, else {config_mod.DEFAULT_CONFIG_PATH})"
+    )
+
+    def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        if name != "demo":
+            p.add_argument("--config", metavar="FILE", help=config_help)
+        return p
+
+    add("run", cmd_run, "run the daemon: own SGLang until SIGTERM/SIGINT")
+    add("check", cmd_check, "validate the config file; print ok or every error")
+    add(
+        "preflight",
+        cmd_preflight,
+        "host checks before a long load: paths, GPUs, port, interpreter, SGLang's own parser",
+    )
+    p = add("print-command", cmd_print_command, "print the exact SGLang command line and env")
+    p.add_argument("--profile", metavar="NAME", help="profile to apply (default primary)")
+    p = add("probe", cmd_probe, "send one readiness decode probe to a running server")
+    p.add_argument("--url", metavar="URL", help="server base URL (default from the config)")
+    p = add("gpu-clean", cmd_gpu_clean, "find and remove leftover GPU processes per policy")
+    p.add_argument("--dry-run", action="store_true", help="report only; kill nothing")
+    p = add("status", cmd_status, "ask a running daemon for its state")
+    p.add_argument("--json", action="store_true", help="print the /status JSON document")
+    p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
+    p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
+    p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
+    p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")
+    p.add_argument(
+        "--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args, sys.stdout, sys.stderr)
+    except KeyboardInterrupt:
+        code = 130 if args.command != "demo" else EX_OK
+    except Exception as exc:  # the last line of defence: a message, never a traceback
+        print(f"kimi-serve {args.command}: internal error: {exc!r}", file=sys.stderr)
+        if os.environ.get("KIMI_SERVE_DEBUG"):
+            raise
+        code = EX_FAIL
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

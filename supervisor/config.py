@@ -1,0 +1,828 @@
+"""Configuration: one YAML file parsed once into frozen, typed objects.
+
+Every problem is collected (not just the first), and each names the file, the key path and the
+line, so an operator fixes a broken config in one pass. Nothing after `load()` reads raw dicts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+DEFAULT_CONFIG_PATH = "/etc/kimi-serve/kimi-serve.yaml"
+CONFIG_ENV = "KIMI_SERVE_CONFIG"
+PRIMARY = "primary"
+
+ArgScalar = str | int | float | bool | None
+ArgValue = ArgScalar | tuple[ArgScalar, ...]
+
+# Flags kimi-serve sets itself from top-level keys; allowing them in `args` too would make the
+# command line ambiguous (argparse keeps the last one, silently).
+# SGLang's parser also takes `--model` for --model-path.
+RESERVED_ARGS = {
+    "model-path": "sglang.model_path",
+    "model": "sglang.model_path",
+    "host": "sglang.host",
+    "port": "sglang.port",
+}
+TP_ARGS = ("tp-size", "tensor-parallel-size", "tp")
+
+
+# --------------------------------------------------------------------------------------------
+# The typed result
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """An overlay on `sglang.args` / `sglang.env`; a None value removes the key."""
+
+    name: str
+    args: Mapping[str, ArgValue] = field(default_factory=dict)
+    env: Mapping[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    python: str
+    module: str
+    model_path: str
+    host: str
+    port: int
+    args: Mapping[str, ArgValue]
+    env: Mapping[str, str]
+    workdir: str | None
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    endpoint: str  # "generate" | "chat"
+    prompt: str
+    max_tokens: int
+    timeout: float
+    expect_regex: str | None
+
+
+@dataclass(frozen=True)
+class ReadinessConfig:
+    load_timeout: float
+    probe: ProbeConfig
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    interval: float
+    timeout: float
+    failure_threshold: int
+
+
+@dataclass(frozen=True)
+class CrashLoopConfig:
+    max_restarts: int
+    window: float
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial: float
+    backoff_max: float
+    crash_loop: CrashLoopConfig
+    fallback_profile: str | None
+    # After this long in `ready`, the backoff starts again from backoff_initial.
+    stable_after: float
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    drain_timeout: float
+
+
+@dataclass(frozen=True)
+class GpusConfig:
+    manage: bool
+    devices: str | tuple[int | str, ...]  # "all" or indexes / UUIDs
+    leftover_policy: str  # "kill-matching" | "report-only"
+    match: tuple[str, ...]
+    memory_free_timeout: float
+    memory_free_threshold_mib: int
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    host: str
+    port: int
+
+    @property
+    def listen(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LogsConfig:
+    fatal_patterns: tuple[str, ...]
+    tail_lines: int
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: str  # "json" | "console"
+    level: str
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str
+    sglang: SGLangConfig
+    profiles: Mapping[str, Profile]
+    readiness: ReadinessConfig
+    liveness: LivenessConfig
+    restart: RestartConfig
+    stop: StopConfig
+    gpus: GpusConfig
+    admin: AdminConfig
+    state_dir: str
+    logs: LogsConfig
+    logging: LoggingConfig
+
+    def profile(self, name: str) -> Profile:
+        if name == PRIMARY:
+            return Profile(PRIMARY)
+        return self.profiles[name]
+
+    @property
+    def profile_names(self) -> tuple[str, ...]:
+        return (PRIMARY, *self.profiles)
+
+
+# Log lines that mean the server is broken even if its process is still up. SGLang spends ~65 s
+# in py-spy / CUDA-coredump steps after a scheduler exception before it exits
+# (sglang-facts.md), so reacting to the line itself saves a minute per crash.
+DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
+    # scheduler.py / detokenizer: `logger.error(f"Scheduler hit an exception: {traceback}")`,
+    # then SIGQUIT to the parent. A bare "Traceback" is not listed: a rejected client request
+    # can log one without the server being broken.
+    r"(Scheduler|DetokenizerManager|TokenizerManager) hit an exception",
+    r"Scheduler watchdog timeout",
+    r"CUDA out of memory|torch\.OutOfMemoryError|CUDA error: out of memory",
+    r"CUDA error: an illegal memory access",
+    r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError",
+    r"Initialization failed\. warmup error",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    path: str
+    line: int | None
+    message: str
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; carries every issue found."""
+
+    def __init__(self, file: str, issues: list[ConfigIssue]) -> None:
+        self.file = file
+        self.issues = issues
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = []
+        for issue in self.issues:
+            where = f"{self.file}:{issue.line}" if issue.line else self.file
+            key = f" {issue.path}:" if issue.path else ""
+            lines.append(f"{where}:{key} {issue.message}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Scalars
+# --------------------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """`500ms`, `30s`, `5m`, `1h` or a number of seconds -> seconds. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s, 5m, 1h or 500ms, got a boolean")
+    if isinstance(value, int | float):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ValueError("is too long for a duration") from None
+        if seconds < 0:
+            raise ValueError(f"{value!r} is negative; a duration is 0 or more")
+    elif isinstance(value, str):
+        m = _DURATION.match(value)
+        if not m:
+            raise ValueError(
+                f"{value!r} is not a duration; write it as 500ms, 30s, 5m, 1h or seconds"
+            )
+        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 30s, got {type(value).__name__}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is too long for a duration")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest spelling that `parse_duration` reads back as exactly `seconds` (>= 0)."""
+    for unit, size in (("h", 3600.0), ("m", 60.0)):
+        count = int(seconds // size) if seconds >= size else 0
+        if count and count * size == seconds:
+            return f"{count}{unit}"
+    ms = round(seconds * 1000)
+    if 0 < seconds < 1 and float(ms) * _UNIT_SECONDS["ms"] == seconds:
+        return f"{ms}ms"
+    # Positional notation: the regex takes no exponent, and repr's digits read back exactly.
+    return f"{Decimal(repr(float(seconds))):f}s"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port). Raises ValueError."""
+    m = re.match(r"^\[(?P<h6>[^\]]+)\]:(?P<p6>\d+)$|^(?P<h>[^:\[\]]+):(?P<p>\d+)$", value)
+    if not m:
+        raise ValueError(f"{value!r} is not host:port (e.g. 127.0.0.1:29400 or [::1]:29400)")
+    host = m.group("h6") or m.group("h")
+    port = int(m.group("p6") or m.group("p"))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 1-65535")
+    return host, port
+
+
+# --------------------------------------------------------------------------------------------
+# The reader: walks the raw YAML with the key path and line of every value at hand
+# --------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+class _Reader:
+    def __init__(self, file: str, marks: dict[str, int]) -> None:
+        self.file = file
+        self.marks = marks
+        self.issues: list[ConfigIssue] = []
+
+    def line(self, path: str) -> int | None:
+        # The value's own line, else the closest enclosing key's.
+        while path not in self.marks:
+            path = path.rpartition(".")[0]
+            if not path:
+                return None  # a missing top-level key: no line to point at
+        return self.marks[path]
+
+    def error(self, path: str, message: str) -> None:
+        self.issues.append(ConfigIssue(path, self.line(path), message))
+
+    def section(self, raw: object, path: str, known: tuple[str, ...]) -> dict[str, Any]:
+        """A mapping whose keys must all be known; unknown keys get a did-you-mean hint."""
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            what = "" if path else "the top level: "
+            self.error(path, f"{what}expected a mapping of {', '.join(known)}; got {_kind(raw)}")
+            return {}
+        for key in raw:
+            if not isinstance(key, str):
+                self.error(path, f"key {key!r} is not a string")
+            elif key not in known:
+                sub = f"{path}.{key}" if path else key
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                self.error(sub, f"unknown key {key!r}{hint} (known: {', '.join(known)})")
+        return raw
+
+    def get(
+        self,
+        raw: dict[str, Any],
+        path: str,
+        key: str,
+        conv: Callable[[object], T],
+        default: object = _MISSING,
+    ) -> T:
+        sub = f"{path}.{key}" if path else key
+        if key not in raw:
+            if default is _MISSING:
+                self.error(sub, "is required but missing")
+                return None  # type: ignore[return-value]
+            return default  # type: ignore[return-value]
+        try:
+            return conv(raw[key])
+        except (TypeError, ValueError) as exc:
+            self.error(sub, str(exc))
+            return None  # type: ignore[return-value]
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing (null)"
+    kinds = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}
+    kinds |= {int: "an integer", float: "a number"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _opt_string(value: object) -> str | None:
+    return None if value is None else _string(value)
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {_kind(value)}")
+    return value
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[object], int]:
+    def conv(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected a whole number, got {_kind(value)}")
+        if value < lo or (hi is not None and value > hi):
+            rng = f"{lo}-{hi}" if hi is not None else f">= {lo}"
+            raise ValueError(f"{value} is out of range {rng}")
+        return value
+
+    return conv
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"must be greater than zero, got {value!r}")
+    return seconds
+
+
+def _choice(*choices: str) -> Callable[[object], str]:
+    def conv(value: object) -> str:
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}{hint}")
+        return str(value)
+
+    return conv
+
+
+def _regex(value: object) -> str:
+    text = _string(value)
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise ValueError(f"{text!r} is not a valid regular expression: {exc}") from None
+    return text
+
+
+def _opt_regex(value: object) -> str | None:
+    return None if value is None else _regex(value)
+
+
+def _string_list(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"expected a list of strings, got {_kind(value)}")
+    return tuple(value)
+
+
+def _regex_list(value: object) -> tuple[str, ...]:
+    return tuple(_regex(v) for v in _string_list(value))
+
+
+def _host(value: object) -> str:
+    text = _string(value)
+    if any(c.isspace() for c in text) or "/" in text:
+        raise ValueError(f"{text!r} is not a host name or address")
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+def _args(r: _Reader, raw: object, path: str) -> dict[str, ArgValue]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        r.error(path, f"expected a mapping of flag name -> value, got {_kind(raw)}")
+        return {}
+    out: dict[str, ArgValue] = {}
+    for key, value in raw.items():
+        sub = f"{path}.{key}"
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", key):
+            r.error(
+                sub,
+                f"flag name {key!r} must be written without leading dashes "
+                "(e.g. tp-size: 8 for --tp-size 8)",
+            )
+            continue
+        if key in RESERVED_ARGS:
+            r.error(sub, f"--{key} is set from {RESERVED_ARGS[key]}; remove it from args")
+            continue
+        if isinstance(value, list):
+            if not all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in value):
+                r.error(sub, "a list value may only hold strings and numbers")
+                continue
+            if not value:
+                # `--name` with no values is an argparse error for nargs="+" flags.
+                r.error(sub, "is an empty list; write null to leave the flag out")
+                continue
+            out[key] = tuple(value)
+        elif value is None or isinstance(value, str | int | float | bool):
+            out[key] = value
+        else:
+            # A date, a mapping, !!binary ...: str() of it is not what SGLang expects.
+            r.error(sub, f"expected a string, number, boolean, list or null; got {_kind(value)}")
+    return out
+
+
+def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str | None]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        r.error(path, f"expected a mapping of NAME -> string, got {_kind(raw)}")
+        return {}
+    out: dict[str, str | None] = {}
+    for key, value in raw.items():
+        sub = f"{path}.{key}"
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            r.error(sub, f"{key!r} is not a valid environment variable name")
+        elif value is None and allow_null:
+            out[key] = None
+        elif isinstance(value, str):
+            out[key] = value
+        else:
+            r.error(sub, f"environment values must be strings (quote them), got {_kind(value)}")
+    return out
+
+
+def _sglang(r: _Reader, raw: object) -> SGLangConfig:
+    p = "sglang"
+    s = r.section(
+        raw, p, ("python", "module", "model_path", "host", "port", "args", "env", "workdir")
+    )
+    if raw is None:
+        r.error(p, "is required but missing (at least sglang.model_path)")
+    env = _env(r, s.get("env"), f"{p}.env", allow_null=False)
+    return SGLangConfig(
+        python=r.get(s, p, "python", _string, "/opt/sglang/venv/bin/python"),
+        module=r.get(s, p, "module", _string, "sglang.launch_server"),
+        model_path=r.get(s, p, "model_path", _string),
+        host=r.get(s, p, "host", _host, "127.0.0.1"),
+        port=r.get(s, p, "port", _int_in(1, 65535), 30000),
+        args=_args(r, s.get("args"), f"{p}.args"),
+        env={k: v for k, v in env.items() if v is not None},
+        workdir=r.get(s, p, "workdir", _opt_string, None),
+    )
+
+
+def _profiles(r: _Reader, raw: object) -> dict[str, Profile]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        r.error("profiles", f"expected a mapping of profile name -> overlay, got {_kind(raw)}")
+        return {}
+    out: dict[str, Profile] = {}
+    for name, body in raw.items():
+        p = f"profiles.{name}"
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            r.error(p, f"profile name {name!r} may use letters, digits, '-' and '_' only")
+            continue
+        if name == PRIMARY:
+            r.error(p, "'primary' is the base sglang section itself; pick another profile name")
+            continue
+        s = r.section(body, p, ("args", "env"))
+        out[name] = Profile(
+            name=name,
+            args=_args(r, s.get("args"), f"{p}.args"),
+            env=_env(r, s.get("env"), f"{p}.env", allow_null=True),
+        )
+    return out
+
+
+def _readiness(r: _Reader, raw: object) -> ReadinessConfig:
+    p = "readiness"
+    s = r.section(raw, p, ("load_timeout", "probe"))
+    pp = f"{p}.probe"
+    ps = r.section(
+        s.get("probe"), pp, ("endpoint", "prompt", "max_tokens", "timeout", "expect_regex")
+    )
+    probe = ProbeConfig(
+        endpoint=r.get(ps, pp, "endpoint", _choice("generate", "chat"), "generate"),
+        prompt=r.get(ps, pp, "prompt", _string, "Say hello in one word"),
+        # At least 2 tokens: one token is what /health checks and cannot see the decode loop.
+        max_tokens=r.get(ps, pp, "max_tokens", _int_in(2, 4096), 8),
+        timeout=r.get(ps, pp, "timeout", _positive_duration, 30.0),
+        expect_regex=r.get(ps, pp, "expect_regex", _opt_regex, None),
+    )
+    return ReadinessConfig(
+        load_timeout=r.get(s, p, "load_timeout", _positive_duration, 1800.0), probe=probe
+    )
+
+
+def _liveness(r: _Reader, raw: object) -> LivenessConfig:
+    p = "liveness"
+    s = r.section(raw, p, ("interval", "timeout", "failure_threshold"))
+    return LivenessConfig(
+        interval=r.get(s, p, "interval", _positive_duration, 15.0),
+        timeout=r.get(s, p, "timeout", _positive_duration, 20.0),
+        failure_threshold=r.get(s, p, "failure_threshold", _int_in(1, 1000), 3),
+    )
+
+
+def _restart(r: _Reader, raw: object) -> RestartConfig:
+    p = "restart"
+    s = r.section(
+        raw,
+        p,
+        ("backoff_initial", "backoff_max", "crash_loop", "fallback_profile", "stable_after"),
+    )
+    cp = f"{p}.crash_loop"
+    cs = r.section(s.get("crash_loop"), cp, ("max_restarts", "window"))
+    return RestartConfig(
+        backoff_initial=r.get(s, p, "backoff_initial", parse_duration, 5.0),
+        backoff_max=r.get(s, p, "backoff_max", _positive_duration, 300.0),
+        crash_loop=CrashLoopConfig(
+            max_restarts=r.get(cs, cp, "max_restarts", _int_in(1, 10000), 5),
+            window=r.get(cs, cp, "window", _positive_duration, 3600.0),
+        ),
+        fallback_profile=r.get(s, p, "fallback_profile", _opt_string, None),
+        stable_after=r.get(s, p, "stable_after", _positive_duration, 600.0),
+    )
+
+
+def _devices(value: object) -> str | tuple[int | str, ...]:
+    if value == "all":
+        return "all"
+    if isinstance(value, list) and value:
+        out: list[int | str] = []
+        for v in value:
+            index = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            if index or (isinstance(v, str) and v.startswith(("GPU-", "MIG-"))):
+                out.append(v)
+            else:
+                raise ValueError(
+                    f"device {v!r} is neither an index (0, 1, ...) nor a UUID (GPU-...)"
+                )
+        if len(set(out)) != len(out):
+            raise ValueError("the device list names a GPU twice")
+        return tuple(out)
+    raise ValueError(f"expected 'all' or a non-empty list of indexes/UUIDs, got {_kind(value)}")
+
+
+def _gpus(r: _Reader, raw: object) -> GpusConfig:
+    p = "gpus"
+    s = r.section(
+        raw,
+        p,
+        (
+            "manage",
+            "devices",
+            "leftover_policy",
+            "match",
+            "memory_free_timeout",
+            "memory_free_threshold_mib",
+        ),
+    )
+    return GpusConfig(
+        manage=r.get(s, p, "manage", _bool, True),
+        devices=r.get(s, p, "devices", _devices, "all"),
+        leftover_policy=r.get(
+            s, p, "leftover_policy", _choice("kill-matching", "report-only"), "kill-matching"
+        ),
+        match=r.get(s, p, "match", _string_list, ("sglang", "launch_server")),
+        memory_free_timeout=r.get(s, p, "memory_free_timeout", _positive_duration, 60.0),
+        memory_free_threshold_mib=r.get(
+            s, p, "memory_free_threshold_mib", _int_in(0, 10_000_000), 1024
+        ),
+    )
+
+
+def _admin(r: _Reader, raw: object) -> AdminConfig:
+    p = "admin"
+    s = r.section(raw, p, ("listen",))
+    listen = r.get(s, p, "listen", lambda v: parse_listen(_string(v)), ("127.0.0.1", 29400))
+    host, port = listen if listen else ("127.0.0.1", 29400)
+    return AdminConfig(host=host, port=port)
+
+
+def _logs(r: _Reader, raw: object) -> LogsConfig:
+    p = "logs"
+    s = r.section(raw, p, ("fatal_patterns", "tail_lines"))
+    return LogsConfig(
+        fatal_patterns=r.get(s, p, "fatal_patterns", _regex_list, DEFAULT_FATAL_PATTERNS),
+        tail_lines=r.get(s, p, "tail_lines", _int_in(1, 100_000), 200),
+    )
+
+
+def _logging(r: _Reader, raw: object) -> LoggingConfig:
+    p = "logging"
+    s = r.section(raw, p, ("format", "level"))
+    return LoggingConfig(
+        format=r.get(s, p, "format", _choice("json", "console"), "json"),
+        level=r.get(s, p, "level", _choice("debug", "info", "warning", "error"), "info"),
+    )
+
+
+TOP_KEYS = (
+    "sglang",
+    "profiles",
+    "readiness",
+    "liveness",
+    "restart",
+    "stop",
+    "gpus",
+    "admin",
+    "state_dir",
+    "logs",
+    "logging",
+)
+
+
+def tp_size(args: Mapping[str, ArgValue]) -> int | None:
+    for name in TP_ARGS:
+        value = args.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
+
+
+def default_state_dir() -> str:
+    # systemd's StateDirectory= exports STATE_DIRECTORY (possibly several, colon-separated).
+    env = os.environ.get("STATE_DIRECTORY")
+    return env.split(":")[0] if env else "/var/lib/kimi-serve"
+
+
+def _cross_checks(r: _Reader, cfg: Config) -> None:
+    fb = cfg.restart.fallback_profile
+    if fb is not None and fb != PRIMARY and fb not in cfg.profiles:
+        names = ", ".join(cfg.profiles) or "none defined"
+        r.error(
+            "restart.fallback_profile",
+            f"names profile {fb!r}, which is not defined under profiles ({names})",
+        )
+    if fb == PRIMARY:
+        r.error("restart.fallback_profile", "the fallback cannot be 'primary' itself")
+    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
+        r.error("restart.backoff_max", "must be at least restart.backoff_initial")
+    if cfg.liveness.timeout > cfg.liveness.interval * 10:
+        r.error("liveness.timeout", "is more than ten liveness intervals; shorten it")
+    if (cfg.admin.host, cfg.admin.port) == (cfg.sglang.host, cfg.sglang.port):
+        r.error("admin.listen", "uses the same address as SGLang's sglang.host:sglang.port")
+    if isinstance(cfg.gpus.devices, tuple):
+        for name in (PRIMARY, *cfg.profiles):
+            own = cfg.sglang.args if name == PRIMARY else cfg.profiles[name].args
+            flag = next((a for a in TP_ARGS if a in own), None)
+            if flag is None:
+                continue  # a profile that leaves the size alone repeats the primary's
+            merged = {**cfg.sglang.args, **own}
+            tp = tp_size(merged)
+            if tp is not None and tp > len(cfg.gpus.devices):
+                where = "sglang.args" if name == PRIMARY else f"profiles.{name}.args"
+                r.error(
+                    f"{where}.{flag}",
+                    f"{flag} {tp} needs {tp} GPUs but gpus.devices lists {len(cfg.gpus.devices)}",
+                )
+
+
+def _marks(root: yaml.Node | None) -> tuple[dict[str, int], list[ConfigIssue]]:
+    """The line of every key path, and the keys written twice in one mapping (PyYAML keeps
+    the last silently, so a second `port:` further down would quietly win)."""
+    marks: dict[str, int] = {}
+    twice: list[ConfigIssue] = []
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node, path: str) -> None:
+        # An alias is the same node again: walk it once (a recursive or exponential
+        # alias would otherwise never finish).
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                sub = f"{path}.{key}" if path else key
+                line = key_node.start_mark.line + 1
+                ident = (key_node.tag, key)
+                if ident in first and key_node.tag != "tag:yaml.org,2002:merge":
+                    twice.append(
+                        ConfigIssue(sub, line, f"is set twice (first on line {first[ident]})")
+                    )
+                first.setdefault(ident, line)
+                marks[sub] = line
+                walk(value_node, sub)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = f"{path}[{i}]"
+                marks[sub] = item.start_mark.line + 1
+                walk(item, sub)
+
+    if root is not None:
+        marks[""] = root.start_mark.line + 1
+        walk(root, "")
+    return marks, twice
+
+
+def _yaml_issue(exc: yaml.YAMLError, text: str) -> ConfigIssue:
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    if isinstance(exc, yaml.reader.ReaderError):  # a control character: it has a position only
+        line = text.count("\n", 0, exc.position) + 1
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    # An unclosed quote or bracket is found only at the end of the file; where it was opened
+    # is the line to fix.
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and start.line + 1 != line:
+        problem = f"{problem} ({context} that starts on line {start.line + 1})"
+    return ConfigIssue("", line, f"invalid YAML: {problem}")
+
+
+def parse(text: str, file: str) -> Config:
+    """Parse YAML text into a Config, or raise ConfigError listing every problem."""
+    try:
+        raw = yaml.safe_load(text)
+        marks, twice = _marks(yaml.compose(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        raise ConfigError(file, [_yaml_issue(exc, text)]) from None
+    except RecursionError:
+        raise ConfigError(
+            file, [ConfigIssue("", None, "invalid YAML: nested too deeply")]
+        ) from None
+    r = _Reader(file, marks)
+    r.issues.extend(twice)
+    if raw is None:
+        raise ConfigError(file, [ConfigIssue("", None, "the file is empty")])
+    top = r.section(raw, "", TOP_KEYS)
+    if not isinstance(raw, dict):
+        raise ConfigError(file, r.issues)
+    stop_s = r.section(top.get("stop"), "stop", ("drain_timeout",))
+    cfg = Config(
+        path=file,
+        sglang=_sglang(r, top.get("sglang")),
+        profiles=_profiles(r, top.get("profiles")),
+        readiness=_readiness(r, top.get("readiness")),
+        liveness=_liveness(r, top.get("liveness")),
+        restart=_restart(r, top.get("restart")),
+        stop=StopConfig(r.get(stop_s, "stop", "drain_timeout", _positive_duration, 60.0)),
+        gpus=_gpus(r, top.get("gpus")),
+        admin=_admin(r, top.get("admin")),
+        state_dir=r.get(top, "", "state_dir", _opt_string, None) or default_state_dir(),
+        logs=_logs(r, top.get("logs")),
+        logging=_logging(r, top.get("logging")),
+    )
+    if not r.issues:
+        _cross_checks(r, cfg)
+    if r.issues:
+        raise ConfigError(file, r.issues)
+    return cfg
+
+
+def resolve_path(cli_value: str | None) -> str:
+    return cli_value or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+
+
+def load(path: str) -> Config:
+    """Read and parse the config file; every failure is a ConfigError naming the file."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        hint = f" (set --config or ${CONFIG_ENV})" if path == DEFAULT_CONFIG_PATH else ""
+        raise ConfigError(path, [ConfigIssue("", None, f"no such file{hint}")]) from None
+    except IsADirectoryError:
+        raise ConfigError(path, [ConfigIssue("", None, "is a directory, not a file")]) from None
+    except PermissionError:
+        raise ConfigError(
+            path, [ConfigIssue("", None, "permission denied: the daemon cannot read it")]
+        ) from None
+    except OSError as exc:
+        raise ConfigError(path, [ConfigIssue("", None, f"cannot read: {exc.strerror}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        issue = ConfigIssue("", line, f"not UTF-8 text: byte {data[exc.start]:#04x} ({exc.reason})")
+        raise ConfigError(path, [issue]) from None
+    return parse(text, path)

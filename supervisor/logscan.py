@@ -1,0 +1,96 @@
+"""SGLang's log lines: a bounded tail for `status`, and what a line means for supervision.
+
+Pure: lines in, verdicts out. The process layer feeds it; the daemon acts on the verdicts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+# Printed by SGLang's launcher after its own warm-up request succeeded (http_server.py
+# `_wait_and_warmup`). A readiness probe is started at once instead of waiting for a poll tick.
+READY_LINE = "The server is fired up and ready to roll!"
+
+# A multi-line traceback is logged as one record whose first line carries the fatal pattern and
+# whose last line names the exception. Restarting on the first line would cut the log tail before
+# the line on-call needs (the incident's `AttributeError: 'EAGLEWorkerV2' ...`), so the verdict
+# waits for that line (or a short settle timer in the daemon).
+_TRACEBACK_START = re.compile(r"Traceback \(most recent call last\)|hit an exception")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
+)
+
+_LEVEL_WORDS = (
+    ("critical", re.compile(r"\b(CRITICAL|FATAL)\b")),
+    ("error", re.compile(r"\bERROR\b|Traceback \(most recent|^\w*(?:Error|Exception)\b")),
+    ("warning", re.compile(r"\bWARN(?:ING)?\b")),
+    ("debug", re.compile(r"\bDEBUG\b")),
+)
+
+
+class Stream(StrEnum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+def guess_level(line: str) -> str:
+    """The level SGLang logged a line at, read from the line itself (default info)."""
+    for level, pattern in _LEVEL_WORDS:
+        if pattern.search(line):
+            return level
+    return "info"
+
+
+@dataclass(frozen=True)
+class LineVerdict:
+    ready: bool = False
+    fatal: str | None = None  # the pattern that matched, once the record is complete
+    fatal_pending: bool = False  # a traceback started; the daemon arms a settle timer
+
+
+NOTHING = LineVerdict()
+
+
+class LogScanner:
+    """Keeps the last `tail_lines` lines and reports ready / fatal lines."""
+
+    def __init__(self, fatal_patterns: Iterable[str], tail_lines: int) -> None:
+        self._fatal = [re.compile(p) for p in fatal_patterns]
+        self._tail: deque[str] = deque(maxlen=tail_lines)
+        self._pending: str | None = None  # fatal pattern seen at the head of a traceback
+        self.lines = 0
+
+    def feed(self, line: str) -> LineVerdict:
+        self._tail.append(line)
+        self.lines += 1
+        if self._pending is not None:
+            if _EXCEPTION_LINE.match(line.strip()):
+                fatal, self._pending = self._pending, None
+                return LineVerdict(fatal=fatal)
+            return NOTHING
+        if READY_LINE in line:
+            return LineVerdict(ready=True)
+        for pattern in self._fatal:
+            if pattern.search(line):
+                if _TRACEBACK_START.search(line):
+                    self._pending = pattern.pattern
+                    return LineVerdict(fatal_pending=True)
+                return LineVerdict(fatal=pattern.pattern)
+        return NOTHING
+
+    def settle(self) -> str | None:
+        """The settle timer ran out: a pending traceback counts as fatal now."""
+        fatal, self._pending = self._pending, None
+        return fatal
+
+    def tail(self) -> list[str]:
+        return list(self._tail)
+
+    def reset(self) -> None:
+        """A new launch: its tail starts empty, so a restart's tail is that launch's alone."""
+        self._pending = None
+        self._tail.clear()

@@ -1,0 +1,603 @@
+"""The supervision state machine: (state, event, time) -> (new state, actions). No I/O.
+
+This is where every decision lives: when to launch, when SGLang counts as ready, when to
+restart, with which reason, how long to back off, when a crash loop switches to the fallback
+profile or gives up. The daemon only carries out the actions and feeds back events.
+
+Every state change goes through `_to()`, which checks the edge against `EDGES` and emits one
+`Transitioned` action (the daemon logs it, updates metrics and sends STATUS=).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from supervisor.config import PRIMARY, Config
+from supervisor.probe import ProbeResult
+
+
+class State(StrEnum):
+    STARTING = "starting"
+    CLEANING = "cleaning"
+    LAUNCHING = "launching"
+    LOADING = "loading"
+    WARMING = "warming"
+    READY = "ready"
+    DEGRADED = "degraded"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Reason(StrEnum):
+    EXITED = "exited"
+    LOAD_TIMEOUT = "load_timeout"
+    READINESS_FAILED = "readiness_failed"
+    LIVENESS_FAILED = "liveness_failed"
+    FATAL_LOG = "fatal_log"
+    MANUAL = "manual"
+    RELOAD = "reload"
+
+
+SERVING = frozenset({State.READY, State.DEGRADED})
+# States in which an SGLang process of the current launch may exist.
+CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *SERVING})
+# Still on the way to the first READY=1: systemd's start timeout is extended in these.
+STARTUP_STATES = frozenset(
+    {State.STARTING, State.CLEANING, State.LAUNCHING, State.LOADING, State.WARMING}
+)
+
+# Every edge the daemon may take. STOPPING is reachable from everywhere (SIGTERM at any time).
+EDGES: dict[State, frozenset[State]] = {
+    State.STARTING: frozenset({State.CLEANING}),
+    # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned.
+    State.CLEANING: frozenset({State.LAUNCHING, State.FAILED}),
+    # LAUNCHING -> RESTARTING: the exec itself failed, or a fatal line / manual restart.
+    State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
+    State.LOADING: frozenset({State.WARMING, State.RESTARTING}),
+    State.WARMING: frozenset({State.READY, State.RESTARTING}),
+    State.READY: frozenset({State.DEGRADED, State.RESTARTING}),
+    State.DEGRADED: frozenset({State.READY, State.RESTARTING}),
+    # RESTARTING -> CLEANING after the backoff; -> FAILED on a crash loop with no fallback left.
+    State.RESTARTING: frozenset({State.CLEANING, State.FAILED}),
+    # FAILED -> CLEANING only on reload or a manual restart.
+    State.FAILED: frozenset({State.CLEANING}),
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.STOPPED: frozenset(),
+}
+for _s in State:
+    if _s not in (State.STOPPING, State.STOPPED):
+        EDGES[_s] = EDGES[_s] | {State.STOPPING}
+
+
+class ProbeKind(StrEnum):
+    READINESS = "readiness"
+    LIVENESS = "liveness"
+
+
+class TimerName(StrEnum):
+    LOAD = "load_timeout"
+    BACKOFF = "backoff"
+    LIVENESS = "liveness"
+    PROBE_RETRY = "probe_retry"
+    CLEAN_RETRY = "clean_retry"
+
+
+# ---------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Start:
+    pass
+
+
+@dataclass(frozen=True)
+class HostReady:
+    """Leftovers removed, GPU memory free, port free."""
+
+
+@dataclass(frozen=True)
+class HostNotReady:
+    message: str
+    wedged: bool = False  # retrying cannot help (a process stuck in the driver)
+
+
+@dataclass(frozen=True)
+class Launched:
+    launch: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    launch: int
+    message: str
+
+
+@dataclass(frozen=True)
+class PortOpen:
+    launch: int
+
+
+@dataclass(frozen=True)
+class ReadyLine:
+    launch: int
+
+
+@dataclass(frozen=True)
+class FatalLog:
+    launch: int
+    pattern: str
+
+
+@dataclass(frozen=True)
+class ProbeDone:
+    launch: int
+    kind: ProbeKind
+    result: ProbeResult
+    busy: bool = False  # SGLang's generated-token counter advanced meanwhile
+
+
+@dataclass(frozen=True)
+class ChildExited:
+    launch: int
+    exit_code: int | None
+    signal: int | None
+
+
+@dataclass(frozen=True)
+class ChildGone:
+    """Every process of the launch is gone (after StopChild, or after it died by itself)."""
+
+    launch: int
+    exit_code: int | None
+    signal: int | None
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    name: TimerName
+    launch: int
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    signal_name: str = "SIGTERM"
+
+
+@dataclass(frozen=True)
+class RestartRequested:
+    reason: Reason  # MANUAL or RELOAD
+    back_to_primary: bool = False
+
+
+Event = (
+    Start
+    | HostReady
+    | HostNotReady
+    | Launched
+    | LaunchFailed
+    | PortOpen
+    | ReadyLine
+    | FatalLog
+    | ProbeDone
+    | ChildExited
+    | ChildGone
+    | TimerFired
+    | StopRequested
+    | RestartRequested
+)
+
+
+# --------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Transitioned:
+    old: State
+    new: State
+    reason: str  # a Reason value or a short free-form cause ("started", "probe ok", ...)
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class CleanHost:
+    pass
+
+
+@dataclass(frozen=True)
+class Launch:
+    launch: int
+    profile: str
+
+
+@dataclass(frozen=True)
+class StartProbe:
+    launch: int
+    kind: ProbeKind
+
+
+@dataclass(frozen=True)
+class StopChild:
+    launch: int
+    graceful: bool  # SIGTERM and drain_timeout first; else SIGKILL of the group at once
+
+
+@dataclass(frozen=True)
+class SetTimer:
+    name: TimerName
+    delay: float
+    launch: int
+
+
+@dataclass(frozen=True)
+class CancelTimer:
+    name: TimerName
+
+
+@dataclass(frozen=True)
+class NotifyReady:
+    pass
+
+
+@dataclass(frozen=True)
+class RecordRestart:
+    reason: Reason
+    exit_code: int | None
+    signal: int | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class ProfileChanged:
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class CheckIntent:
+    launch: int
+    probe: ProbeResult
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+
+
+Action = (
+    Transitioned
+    | CleanHost
+    | Launch
+    | StartProbe
+    | StopChild
+    | SetTimer
+    | CancelTimer
+    | NotifyReady
+    | RecordRestart
+    | ProfileChanged
+    | CheckIntent
+    | Exit
+)
+
+# Restarts for these reasons kill at once: the server is already broken, and SGLang's SIGTERM
+# drain waits for in-flight requests with no time limit (sglang-facts.md).
+_GRACEFUL = frozenset({Reason.MANUAL, Reason.RELOAD})
+# Operator-requested restarts neither back off nor count towards a crash loop.
+_REQUESTED = _GRACEFUL
+PROBE_RETRY_DELAY = 0.25
+ILLEGAL = "illegal transition"
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Context:
+    """All the machine knows. One object, so no decision hides in a flag elsewhere."""
+
+    state: State = State.STARTING
+    since: float = 0.0
+    profile: str = PRIMARY
+    launch: int = 0
+    child: bool = False  # a process of `launch` may exist (from Launch until ChildGone)
+    launched_at: float | None = None
+    ready_at: float | None = None
+    probe_in_flight: bool = False
+    liveness_failures: int = 0
+    restarts: deque[float] = field(default_factory=deque)  # times, on the current profile
+    backoff: float = 0.0
+    pending: Reason | None = None  # why the current child is being stopped
+    pending_detail: str = ""
+    host_message: str = ""  # why cleaning cannot finish, for STATUS
+
+
+class Machine:
+    def __init__(self, cfg: Config, now: float) -> None:
+        self.cfg = cfg
+        self.ctx = Context(since=now, backoff=cfg.restart.backoff_initial)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def state(self) -> State:
+        return self.ctx.state
+
+    def _to(self, new: State, reason: str, now: float, detail: str = "") -> list[Action]:
+        old = self.ctx.state
+        if new not in EDGES[old]:
+            raise IllegalTransition(f"{ILLEGAL}: {old} -> {new} ({reason})")
+        self.ctx.state = new
+        self.ctx.since = now
+        return [Transitioned(old, new, reason, detail)]
+
+    def _cancel_launch_timers(self) -> list[Action]:
+        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY)
+        return [CancelTimer(n) for n in names]
+
+    def _current(self, launch: int) -> bool:
+        return launch == self.ctx.launch
+
+    # ------------------------------------------------------------------ entry point
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Decide what `event` means in the current state. Stale events are dropped."""
+        ctx = self.ctx
+        match event:
+            case StopRequested():
+                return self._stop(event, now)
+            case Start() if ctx.state is State.STARTING:
+                return [*self._to(State.CLEANING, "started", now), CleanHost()]
+            case HostReady() if ctx.state is State.CLEANING:
+                return self._launch(now)
+            case HostNotReady() if ctx.state is State.CLEANING:
+                return self._host_not_ready(event, now)
+            case TimerFired(name=TimerName.CLEAN_RETRY) if ctx.state is State.CLEANING:
+                return [CleanHost()]
+            case Launched() if self._current(event.launch) and ctx.state is State.LAUNCHING:
+                ctx.launched_at = now
+                return [
+                    *self._to(State.LOADING, "launched", now, f"pid {event.pid}"),
+                    SetTimer(TimerName.LOAD, self.cfg.readiness.load_timeout, ctx.launch),
+                ]
+            case LaunchFailed() if self._current(event.launch):
+                ctx.child = False
+                return self._restart(Reason.EXITED, now, event.message)
+            case PortOpen() | ReadyLine() if self._current(event.launch):
+                return self._server_up(event, now)
+            case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                return self._restart(Reason.FATAL_LOG, now, event.pattern)
+            case ChildExited() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                how = (
+                    f"killed by signal {event.signal}"
+                    if event.signal
+                    else f"exit code {event.exit_code}"
+                )
+                return self._restart(Reason.EXITED, now, how)
+            case ProbeDone() if self._current(event.launch):
+                ctx.probe_in_flight = False
+                return self._probe_done(event, now)
+            case ChildGone() if self._current(event.launch):
+                return self._child_gone(event, now)
+            case TimerFired() if self._current(event.launch):
+                return self._timer(event, now)
+            case RestartRequested():
+                return self._requested(event, now)
+        return []
+
+    # ------------------------------------------------------------------ per event
+
+    def _host_not_ready(self, event: HostNotReady, now: float) -> list[Action]:
+        self.ctx.host_message = event.message
+        if event.wedged:
+            return self._to(State.FAILED, "gpu_wedged", now, event.message)
+        # A host problem (memory still held, port busy) may clear by itself; retry with backoff
+        # and say why in STATUS meanwhile (the Transitioned-free path: an update only).
+        delay = self._next_backoff()
+        return [
+            Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", event.message),
+            SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch),
+        ]
+
+    def _launch(self, now: float) -> list[Action]:
+        ctx = self.ctx
+        ctx.launch += 1
+        ctx.child = True
+        ctx.launched_at = None
+        ctx.ready_at = None
+        ctx.probe_in_flight = False
+        ctx.liveness_failures = 0
+        ctx.pending = None
+        ctx.host_message = ""
+        return [
+            *self._to(State.LAUNCHING, "host_ready", now, f"profile {ctx.profile}"),
+            Launch(ctx.launch, ctx.profile),
+        ]
+
+    def _server_up(self, event: PortOpen | ReadyLine, now: float) -> list[Action]:
+        ctx = self.ctx
+        actions: list[Action] = []
+        if ctx.state is State.LOADING:
+            cause = "ready_line" if isinstance(event, ReadyLine) else "port_open"
+            actions += self._to(State.WARMING, cause, now)
+        elif ctx.state is not State.WARMING:
+            return []
+        if ctx.probe_in_flight:
+            return actions
+        ctx.probe_in_flight = True
+        return [
+            *actions,
+            CancelTimer(TimerName.PROBE_RETRY),
+            StartProbe(ctx.launch, ProbeKind.READINESS),
+        ]
+
+    def _probe_done(self, event: ProbeDone, now: float) -> list[Action]:
+        ctx = self.ctx
+        r = event.result
+        if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
+            if r.ok:
+                ctx.ready_at = now
+                return [
+                    *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
+                    CancelTimer(TimerName.LOAD),
+                    NotifyReady(),
+                    SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch),
+                    CheckIntent(ctx.launch, r),
+                ]
+            if r.not_up or event.busy:
+                # Not serving yet (503, refused) or busy: try again until load_timeout.
+                return [SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, ctx.launch)]
+            return self._restart(Reason.READINESS_FAILED, now, r.error or r.reason)
+        if event.kind is ProbeKind.LIVENESS and ctx.state in SERVING:
+            actions: list[Action] = [
+                SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch)
+            ]
+            if r.ok:
+                ctx.liveness_failures = 0
+                if ctx.state is State.DEGRADED:
+                    actions = [*self._to(State.READY, "probe_ok", now), *actions]
+                return actions
+            if event.busy:
+                # A busy server is not a failed one: generation advanced while we waited.
+                return actions
+            ctx.liveness_failures += 1
+            threshold = self.cfg.liveness.failure_threshold
+            detail = f"{r.error or r.reason} ({ctx.liveness_failures}/{threshold})"
+            if ctx.liveness_failures >= threshold:
+                return self._restart(Reason.LIVENESS_FAILED, now, detail)
+            if ctx.state is State.READY:
+                return [*self._to(State.DEGRADED, "probe_failed", now, detail), *actions]
+            return [Transitioned(State.DEGRADED, State.DEGRADED, "probe_failed", detail), *actions]
+        return []
+
+    def _timer(self, event: TimerFired, now: float) -> list[Action]:
+        ctx = self.ctx
+        match event.name:
+            case TimerName.LOAD if ctx.state in (State.LAUNCHING, State.LOADING, State.WARMING):
+                budget = self.cfg.readiness.load_timeout
+                return self._restart(Reason.LOAD_TIMEOUT, now, f"no decode within {budget:g}s")
+            case TimerName.PROBE_RETRY if ctx.state is State.WARMING and not ctx.probe_in_flight:
+                ctx.probe_in_flight = True
+                return [StartProbe(ctx.launch, ProbeKind.READINESS)]
+            case TimerName.LIVENESS if ctx.state in SERVING and not ctx.probe_in_flight:
+                ctx.probe_in_flight = True
+                return [StartProbe(ctx.launch, ProbeKind.LIVENESS)]
+            case TimerName.BACKOFF if ctx.state is State.RESTARTING:
+                return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
+        return []
+
+    def _requested(self, event: RestartRequested, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.STOPPING, State.STOPPED):
+            return []
+        actions: list[Action] = []
+        if event.back_to_primary and ctx.profile != PRIMARY:
+            actions.append(ProfileChanged(ctx.profile, PRIMARY))
+            ctx.profile = PRIMARY
+        if event.back_to_primary or ctx.state is State.FAILED:
+            ctx.restarts.clear()
+            ctx.backoff = self.cfg.restart.backoff_initial
+        if ctx.state is State.FAILED:
+            return [
+                *actions,
+                RecordRestart(event.reason, None, None, "requested"),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state is State.RESTARTING and not ctx.child:
+            # Waiting out a backoff: go now.
+            return [
+                *actions,
+                CancelTimer(TimerName.BACKOFF),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state in (State.STARTING, State.CLEANING, State.RESTARTING):
+            return actions  # nothing runs yet (or a stop is already under way)
+        return [*actions, *self._restart(event.reason, now, "requested")]
+
+    def _stop(self, event: StopRequested, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state is State.STOPPED:
+            return []
+        if ctx.state is State.STOPPING:
+            # A second SIGTERM/SIGINT while draining: stop waiting, kill now.
+            return [StopChild(ctx.launch, graceful=False)] if ctx.child else []
+        timers = [CancelTimer(n) for n in TimerName]
+        actions: list[Action] = [*self._to(State.STOPPING, event.signal_name, now), *timers]
+        if ctx.child:
+            return [*actions, StopChild(ctx.launch, graceful=True)]
+        return [*actions, *self._to(State.STOPPED, "no_child", now), Exit(0)]
+
+    # ------------------------------------------------------------------ restarts
+
+    def _restart(self, reason: Reason, now: float, detail: str) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.RESTARTING, State.STOPPING, State.STOPPED, State.FAILED):
+            return []
+        ctx.pending = reason
+        ctx.pending_detail = detail
+        ctx.probe_in_flight = False
+        actions: list[Action] = [
+            *self._to(State.RESTARTING, reason, now, detail),
+            *self._cancel_launch_timers(),
+        ]
+        if ctx.child:
+            return [*actions, StopChild(ctx.launch, graceful=reason in _GRACEFUL)]
+        return [*actions, *self._after_gone(None, None, now)]
+
+    def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
+        ctx = self.ctx
+        ctx.child = False
+        if ctx.state is State.STOPPING:
+            return [*self._to(State.STOPPED, "child_stopped", now), Exit(0)]
+        if ctx.state is State.RESTARTING:
+            return self._after_gone(event.exit_code, event.signal, now)
+        return []
+
+    def _next_backoff(self) -> float:
+        delay = self.ctx.backoff
+        self.ctx.backoff = min(
+            max(delay * 2, self.cfg.restart.backoff_initial), self.cfg.restart.backoff_max
+        )
+        return delay
+
+    def _after_gone(self, exit_code: int | None, sig: int | None, now: float) -> list[Action]:
+        """The old launch is fully gone: record why, then back off, fall back, or give up."""
+        ctx = self.ctx
+        reason = ctx.pending or Reason.EXITED
+        rcfg = self.cfg.restart
+        actions: list[Action] = [RecordRestart(reason, exit_code, sig, ctx.pending_detail)]
+        ctx.pending = None
+        if reason in _REQUESTED:
+            return [*actions, *self._to(State.CLEANING, reason, now), CleanHost()]
+        # A launch that served for `stable_after` earns a fresh backoff.
+        if ctx.ready_at is not None and now - ctx.ready_at >= rcfg.stable_after:
+            ctx.backoff = rcfg.backoff_initial
+        ctx.restarts.append(now)
+        while ctx.restarts and now - ctx.restarts[0] > rcfg.crash_loop.window:
+            ctx.restarts.popleft()
+        if len(ctx.restarts) >= rcfg.crash_loop.max_restarts:
+            fallback = rcfg.fallback_profile
+            if fallback and ctx.profile != fallback:
+                actions.append(ProfileChanged(ctx.profile, fallback))
+                ctx.profile = fallback
+                ctx.restarts.clear()
+                ctx.backoff = rcfg.backoff_initial
+            else:
+                n = rcfg.crash_loop.max_restarts
+                window = rcfg.crash_loop.window
+                return [
+                    *actions,
+                    *self._to(
+                        State.FAILED,
+                        "crash_loop",
+                        now,
+                        f"{n} restarts within {window:g}s on profile {ctx.profile}",
+                    ),
+                ]
+        return [*actions, SetTimer(TimerName.BACKOFF, self._next_backoff(), ctx.launch)]

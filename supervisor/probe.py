@@ -1,0 +1,281 @@
+"""The decode probe: a real multi-token generation, judged strictly.
+
+SGLang's /health submits a 1-token request and answers 200 as soon as any output arrives, so it
+exercises prefill only, never the decode loop, CUDA graphs or the EAGLE draft+verify path. The
+incident server passed /health and died on its first decode (sglang-facts.md). Readiness and
+liveness here therefore ask for `max_tokens` tokens and check what came back.
+
+`judge()` is pure and total: arbitrary bytes in, a verdict out, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.config import ProbeConfig
+
+MAX_BODY_BYTES = 1 << 20  # a probe answer is a few hundred bytes; more is not a probe answer
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    # Label for kimi_serve_probe_failures_total{reason}; "ok" when ok.
+    reason: str
+    error: str | None
+    latency_s: float
+    completion_tokens: int | None = None
+    spec_verify_ct: int | None = None
+    text: str | None = None
+    # The server is up but not serving yet (connection refused, 503 while starting): before
+    # ready this is "try again", not "broken".
+    not_up: bool = False
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_status(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("meta")
+        return d
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    error: str | None = None
+    completion_tokens: int | None = None
+    spec_verify_ct: int | None = None
+    text: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def request_for(cfg: ProbeConfig) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of the probe request. Temperature 0: the answer is reproducible."""
+    if cfg.endpoint == "chat":
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": cfg.prompt}],
+            "max_tokens": cfg.max_tokens,
+            "temperature": 0,
+            "stream": False,
+        }
+    return "/generate", {
+        "text": cfg.prompt,
+        "sampling_params": {"max_new_tokens": cfg.max_tokens, "temperature": 0},
+        "stream": False,
+    }
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _finish_type(value: object) -> str | None:
+    # /generate gives {"type": "length", "length": N} or {"type": "stop", "matched": ...};
+    # the OpenAI schema gives a plain string.
+    if isinstance(value, dict):
+        t = value.get("type")
+        return t if isinstance(t, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _fail(reason: str, error: str, **kw: Any) -> Verdict:
+    return Verdict(ok=False, reason=reason, error=error, **kw)
+
+
+def judge(
+    endpoint: str,
+    status: int,
+    body: bytes,
+    cfg: ProbeConfig,
+    speculative: bool,
+) -> Verdict:
+    if status != 200:
+        snippet = body[:200].decode("utf-8", "replace").strip()
+        return _fail("http_status", f"HTTP {status}: {snippet}" if snippet else f"HTTP {status}")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return _fail("malformed", "the answer is not JSON")
+    if not isinstance(doc, dict):
+        return _fail("malformed", f"expected a JSON object, got {type(doc).__name__}")
+
+    meta: Mapping[str, Any] = {}
+    if endpoint == "chat":
+        choices = doc.get("choices")
+        usage = doc.get("usage")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return _fail("malformed", "no choices in the chat completion")
+        if not isinstance(usage, dict):
+            return _fail("malformed", "no usage in the chat completion")
+        choice = choices[0]
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            return _fail("malformed", "choices[0].message is missing")
+        # With the kimi_k2 reasoning parser a short answer can land entirely in
+        # reasoning_content; the token count is what proves decoding ran.
+        parts = [message.get("content"), message.get("reasoning_content")]
+        text = "".join(p for p in parts if isinstance(p, str))
+        tokens = _int(usage.get("completion_tokens"))
+        finish = _finish_type(choice.get("finish_reason"))
+        verify_ct: int | None = None
+    else:
+        meta_raw = doc.get("meta_info")
+        if not isinstance(meta_raw, dict):
+            return _fail("malformed", "meta_info is missing from the /generate answer")
+        meta = meta_raw
+        raw_text = doc.get("text")
+        if not isinstance(raw_text, str):
+            return _fail("malformed", "text is missing from the /generate answer")
+        text = raw_text
+        tokens = _int(meta.get("completion_tokens"))
+        finish = _finish_type(meta.get("finish_reason"))
+        verify_ct = _int(meta.get("spec_verify_ct"))
+
+    if tokens is None:
+        return _fail("malformed", "completion_tokens is missing or not a number", text=text)
+    common: dict[str, Any] = {
+        "completion_tokens": tokens,
+        "spec_verify_ct": verify_ct,
+        "text": text[:200],
+        "meta": meta,
+    }
+    # All N tokens, or an early end the server chose on purpose (EOS / stop string) after more
+    # than the single token /health would have produced.
+    if tokens != cfg.max_tokens and not (finish == "stop" and tokens >= 2):
+        return _fail(
+            "too_few_tokens",
+            f"generated {tokens} of {cfg.max_tokens} tokens (finish_reason {finish!r})",
+            **common,
+        )
+    if speculative and endpoint == "generate" and not (verify_ct and verify_ct > 0):
+        return _fail(
+            "no_speculation",
+            f"speculative decoding is configured but spec_verify_ct is {verify_ct!r}: "
+            "the EAGLE draft+verify path did not run",
+            **common,
+        )
+    if cfg.expect_regex is not None and not re.search(cfg.expect_regex, text):
+        return _fail(
+            "unexpected_text",
+            f"the answer {text[:80]!r} does not match expect_regex {cfg.expect_regex!r}",
+            **common,
+        )
+    return Verdict(ok=True, reason="ok", **common)
+
+
+async def _read_capped(response: httpx.Response) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def probe(
+    client: httpx.AsyncClient,
+    base_url: str,
+    cfg: ProbeConfig,
+    speculative: bool,
+    timeout: float | None = None,
+    clock: Any = time.monotonic,
+) -> ProbeResult:
+    """One decode probe. Never raises (except cancellation); never outlives `timeout`."""
+    path, body = request_for(cfg)
+    limit = cfg.timeout if timeout is None else timeout
+    start = clock()
+    try:
+        # A total deadline: httpx's own timeouts are per read, so a server that trickles a
+        # byte at a time would otherwise keep the probe alive forever.
+        async with asyncio.timeout(limit):
+            async with client.stream(
+                "POST", base_url.rstrip("/") + path, json=body, timeout=limit
+            ) as response:
+                raw = await _read_capped(response)
+                status = response.status_code
+    except TimeoutError:
+        return ProbeResult(False, "timeout", f"no answer within {limit:g}s", clock() - start)
+    except httpx.ConnectError as exc:
+        return ProbeResult(False, "connect", f"cannot connect: {exc}", clock() - start, not_up=True)
+    except httpx.TimeoutException:
+        return ProbeResult(False, "timeout", f"no answer within {limit:g}s", clock() - start)
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        # RemoteProtocolError included: the incident server dropped the connection as it died.
+        msg = str(exc) or type(exc).__name__
+        return ProbeResult(False, "connection_lost", msg, clock() - start)
+    latency = clock() - start
+    if raw is None:
+        return ProbeResult(False, "malformed", f"answer larger than {MAX_BODY_BYTES} bytes", latency)
+    if status == 503:
+        # SGLang answers 503 while it is still starting (or draining).
+        return ProbeResult(False, "http_status", "HTTP 503: not serving yet", latency, not_up=True)
+    v = judge(cfg.endpoint, status, raw, cfg, speculative)
+    return ProbeResult(
+        ok=v.ok,
+        reason=v.reason,
+        error=v.error,
+        latency_s=latency,
+        completion_tokens=v.completion_tokens,
+        spec_verify_ct=v.spec_verify_ct,
+        text=v.text,
+        meta=v.meta,
+    )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """SGLang's own counters, read from its /metrics (needs --enable-metrics)."""
+
+    generation_tokens: float
+    running_requests: float
+
+
+def parse_progress(text: str) -> Progress | None:
+    tokens: float | None = None
+    running = 0.0
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "sglang:generation_tokens_total":
+                    tokens = (tokens or 0.0) + sample.value
+                elif sample.name == "sglang:num_running_reqs":
+                    running += sample.value
+    except (ValueError, TypeError, IndexError):
+        return None
+    return None if tokens is None else Progress(tokens, running)
+
+
+async def read_progress(client: httpx.AsyncClient, base_url: str) -> Progress | None:
+    try:
+        async with asyncio.timeout(2.0):
+            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=2.0)
+    except (TimeoutError, httpx.HTTPError, OSError):
+        return None
+    if r.status_code != 200:
+        return None
+    return parse_progress(r.text)
+
+
+def is_busy(before: Progress | None, after: Progress | None) -> bool:
+    """Generated tokens advanced while the probe waited: the server is loaded, not hung."""
+    if before is None or after is None:
+        return False
+    return after.generation_tokens > before.generation_tokens

@@ -1,0 +1,337 @@
+"""Owning SGLang's processes: spawn, pump output, notice death, stop, sweep.
+
+- SGLang runs in a session (and process group) of its own, so one killpg reaches the scheduler
+  and detokenizer children (sglang-facts.md; `SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION` relies on it).
+- Death is noticed through a pidfd on the event loop: no polling delay, no thread. asyncio's own
+  `Process.wait()` is not used because it only returns once every pipe is closed, and SGLang's
+  children inherit its stdout: an orphaned scheduler would hide the main process's death.
+- Children that escape the group (a child still loading sets PR_SET_PDEATHSIG only later,
+  sglang #23627) are found by their recorded (pid, create time) and by an environment marker
+  every process of ours inherits; both are checked before any signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import psutil
+
+from supervisor.identity import (
+    ProcessIdentity,
+    descendants,
+    identity_of,
+    live_process,
+    signal_identity,
+)
+from supervisor.logscan import Stream
+
+# Every process we launch carries this variable (inherited by SGLang's children). Its value is
+# the daemon's state directory, so two daemons on one host never touch each other's processes.
+OWNER_ENV = "KIMI_SERVE_OWNER"
+LAUNCH_ENV = "KIMI_SERVE_LAUNCH"
+_F_SETPIPE_SZ = 1031
+_PIPE_BYTES = 1 << 20  # room for a burst of log lines while the loop is busy elsewhere
+_READ_CHUNK = 1 << 16
+
+LineSink = Callable[[int, Stream, list[str]], None]
+
+
+@dataclass
+class ExitInfo:
+    exit_code: int | None
+    signal: int | None
+
+
+@dataclass
+class Child:
+    """One launch of SGLang and what we know of its process tree."""
+
+    launch: int
+    popen: subprocess.Popen[bytes]
+    identity: ProcessIdentity
+    started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
+    owner: str
+    known: set[ProcessIdentity] = field(default_factory=set)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    pipes_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    exit: ExitInfo | None = None
+    _open_pipes: int = 2
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.exit is None
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None if host:port can be bound now; else a sentence naming who holds it (if visible).
+
+    SGLang binds its port only after the model has loaded: a port held by a leftover process
+    fails the launch ten minutes in (sglang-facts.md), so this is checked before launching.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                return f"cannot bind {host}:{port}: {exc.strerror}"
+    who = ""
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid:
+                    proc = psutil.Process(conn.pid)
+                    cmd = " ".join(proc.cmdline())[:120]
+                    who = f" by pid {conn.pid} ({cmd})"
+                break
+    return f"port {host}:{port} is already in use{who}"
+
+
+async def wait_port_open(host: str, port: int, interval: float = 0.1) -> None:
+    """Returns once a TCP connect to host:port succeeds."""
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(interval)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+
+
+def _set_nonblocking(fd: int) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+
+
+def _grow_pipe(fd: int) -> None:
+    # Best effort: unprivileged users are capped by /proc/sys/fs/pipe-max-size.
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+
+
+class _Pump:
+    """Reads one pipe without ever blocking the writer for longer than the loop needs."""
+
+    def __init__(self, child: Child, stream: Stream, fd: int, sink: LineSink) -> None:
+        self.child = child
+        self.stream = stream
+        self.fd = fd
+        self.sink = sink
+        self.partial = b""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        data = self.partial + data
+        parts = data.split(b"\n")
+        self.partial = parts.pop()
+        if len(self.partial) > _READ_CHUNK:  # a line without end: deliver what we have
+            parts.append(self.partial)
+            self.partial = b""
+        if parts:
+            self.sink(self.child.launch, self.stream, [p.decode("utf-8", "replace").rstrip("\r") for p in parts])
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        asyncio.get_running_loop().remove_reader(self.fd)
+        if self.partial:
+            self.sink(self.child.launch, self.stream, [self.partial.decode("utf-8", "replace")])
+            self.partial = b""
+        os.close(self.fd)
+        self.fd = -1
+        self.child._open_pipes -= 1
+        if self.child._open_pipes <= 0:
+            self.child.pipes_closed.set()
+
+
+class ProcessOwner:
+    """Spawns and stops SGLang; the only code that sends signals to it."""
+
+    def __init__(self, owner: str, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
+        self.owner = owner
+        self.sink = sink
+        self.on_exit = on_exit
+        self._pumps: dict[int, list[_Pump]] = {}
+
+    def spawn(
+        self,
+        launch: int,
+        argv: Iterable[str],
+        env_add: Mapping[str, str],
+        workdir: str | None,
+    ) -> Child:
+        """Start SGLang. Raises OSError (e.g. no such interpreter) with the reason."""
+        env = dict(os.environ)
+        # Our own notify socket belongs to us: SGLang must not talk to systemd in our name.
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
+            env.pop(name, None)
+        env.update(env_add)
+        env[OWNER_ENV] = self.owner
+        env[LAUNCH_ENV] = f"{os.getpid()}-{launch}"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+            close_fds=True,
+        )
+        ident = identity_of(popen.pid) or ProcessIdentity(popen.pid, time.time())
+        child = Child(
+            launch=launch,
+            popen=popen,
+            identity=ident,
+            started_at=time.time(),
+            owner=self.owner,
+            known={ident},
+        )
+        assert popen.stdout is not None and popen.stderr is not None
+        pumps = []
+        for stream, pipe in ((Stream.STDOUT, popen.stdout), (Stream.STDERR, popen.stderr)):
+            fd = os.dup(pipe.fileno())
+            pipe.close()
+            _set_nonblocking(fd)
+            _grow_pipe(fd)
+            pumps.append(_Pump(child, stream, fd, self.sink))
+        self._pumps[launch] = pumps
+        self._watch_exit(child)
+        return child
+
+    def _watch_exit(self, child: Child) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(child.pid)
+        except OSError:
+            # Kernel without pidfd (< 5.3): a thread blocked in waitpid is the fallback.
+            loop.run_in_executor(None, child.popen.wait).add_done_callback(
+                lambda _f: self._reaped(child)
+            )
+            return
+
+        def readable() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            child.popen.wait()
+            self._reaped(child)
+
+        loop.add_reader(pidfd, readable)
+
+    def _reaped(self, child: Child) -> None:
+        rc = child.popen.returncode
+        child.exit = ExitInfo(
+            exit_code=rc if rc is not None and rc >= 0 else None,
+            signal=-rc if rc is not None and rc < 0 else None,
+        )
+        child.exited.set()
+        self.on_exit(child)
+
+    def refresh_tree(self, child: Child) -> bool:
+        """Record descendants seen now. True if something new was recorded."""
+        if not child.alive():
+            return False
+        new = set(descendants(child.pid)) - child.known
+        child.known |= new
+        return bool(new)
+
+    def marked_processes(self) -> list[ProcessIdentity]:
+        """Live processes carrying our owner marker (from any launch, any daemon run)."""
+        found = []
+        me = os.getpid()
+        for proc in psutil.process_iter(["pid"]):
+            if proc.pid == me:
+                continue
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.environ().get(OWNER_ENV) == self.owner:
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    found.append(ProcessIdentity(proc.pid, proc.create_time()))
+        return found
+
+    async def stop(self, child: Child, graceful: bool, drain_timeout: float) -> ExitInfo:
+        """Stop the launch: SIGTERM + drain (if graceful), SIGKILL the group, sweep escapees.
+
+        Returns once no process of the launch is alive (or stuck beyond reach, logged by the
+        caller through `survivors()`).
+        """
+        self.refresh_tree(child)
+        if graceful and child.alive():
+            signal_identity(child.identity, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_timeout):
+                    await child.exited.wait()
+        self.refresh_tree(child)
+        # The group outlives its leader while members exist, and Linux does not reuse a pid
+        # that still names a process group, so this reaches only our launch.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        await self.sweep(child.known | set(self.marked_processes()))
+        await child.exited.wait()
+        # Pipes close once every writer is dead; a writer we could not find must not hang us.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await child.pipes_closed.wait()
+        for pump in self._pumps.pop(child.launch, []):
+            pump.close()
+        assert child.exit is not None
+        return child.exit
+
+    async def sweep(
+        self, identities: Iterable[ProcessIdentity], grace: float = 0.0, timeout: float = 5.0
+    ) -> list[ProcessIdentity]:
+        """Kill the listed processes (identity-checked): SIGTERM first when grace > 0.
+
+        Returns those still alive at the deadline (stuck in D state: beyond any signal).
+        """
+        targets = [i for i in set(identities) if i.pid != os.getpid()]
+        if grace > 0:
+            for ident in targets:
+                signal_identity(ident, signal.SIGTERM)
+            await _wait_gone(targets, grace)
+        for ident in targets:
+            signal_identity(ident, signal.SIGKILL)
+        return await _wait_gone(targets, timeout)
+
+    def survivors(self, child: Child) -> list[ProcessIdentity]:
+        return [i for i in child.known if live_process(i) is not None]
+
+
+async def _wait_gone(targets: list[ProcessIdentity], timeout: float) -> list[ProcessIdentity]:
+    # A killed process disappears when its parent reaps it; there is no event for another
+    # process's exit short of a pidfd each, so poll briefly against a deadline.
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [i for i in targets if live_process(i) is not None]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        await asyncio.sleep(0.02)

@@ -1,0 +1,129 @@
+"""`kimi-serve status`: ask the running daemon (its admin endpoint) and summarise, in the
+spirit of `systemctl status`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, TextIO
+
+import httpx
+
+from supervisor.config import Config
+
+EX_READY, EX_NOT_READY, EX_UNREACHABLE = 0, 3, 4
+TAIL_SHOWN = 25
+
+
+def _ago(unix: float | None, now: float) -> str:
+    if not unix:
+        return "-"
+    secs = max(0.0, now - float(unix))
+    if secs < 120:
+        return f"{secs:.0f} s ago"
+    if secs < 7200:
+        return f"{secs / 60:.0f} min ago"
+    return f"{secs / 3600:.1f} h ago"
+
+
+def _when(unix: float | None) -> str:
+    if not unix:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(unix)))
+
+
+def render(doc: dict[str, Any], now: float) -> str:
+    out: list[str] = []
+    state = doc.get("state", "?")
+    mark = "●"
+    out.append(f"{mark} kimi-serve {doc.get('version', '')} - SGLang {doc.get('sglang_version')}")
+    out.append(f"     State: {state} since {_when(doc.get('since'))}; {_ago(doc.get('since'), now)}")
+    if doc.get("detail"):
+        out.append(f"    Detail: {doc['detail']}")
+    out.append(f"   Profile: {doc.get('profile')}")
+    child = doc.get("child")
+    if child:
+        out.append(
+            f"    SGLang: pid {child.get('pid')}, up {_ago(child.get('started_at'), now)[:-4]}"
+            f" ({len(child.get('processes') or [])} processes)"
+        )
+    else:
+        out.append("    SGLang: not running")
+    restarts = doc.get("restarts") or {}
+    total = sum(restarts.values())
+    by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))
+    out.append(f"  Restarts: {total}" + (f" ({by})" if by else ""))
+    probe = doc.get("last_probe")
+    if probe:
+        verdict = "ok" if probe.get("ok") else f"FAILED ({probe.get('reason')})"
+        lat = probe.get("latency_s")
+        lat_s = f"{lat * 1000:.0f} ms" if isinstance(lat, int | float) else "-"
+        out.append(
+            f"Last probe: {probe.get('kind')} {verdict}, {lat_s}, "
+            f"{probe.get('completion_tokens')} tokens, {_ago(probe.get('at'), now)}"
+        )
+        if probe.get("error"):
+            out.append(f"            {probe['error']}")
+    intent = doc.get("intent") or {}
+    for m in intent.get("mismatches") or []:
+        out.append(
+            f"  MISMATCH: {m.get('arg')}: configured {m.get('expected')!r}, "
+            f"server runs {m.get('actual')!r}"
+        )
+    for g in doc.get("gpus") or []:
+        procs = g.get("processes")
+        n = len(procs) if isinstance(procs, list) else procs
+        mib = (g.get("memory_used_bytes") or 0) / 2**20
+        out.append(f"     GPU {g.get('index')}: {g.get('uuid')} {mib:.0f} MiB used, {n} processes")
+    last = doc.get("last_restart")
+    if last:
+        how = []
+        if last.get("exit_code") is not None:
+            how.append(f"exit code {last['exit_code']}")
+        if last.get("signal"):
+            how.append(f"signal {last['signal']}")
+        out.append("")
+        out.append(
+            f"Last restart: {last.get('reason')} {_ago(last.get('at'), now)}"
+            + (f" ({', '.join(how)})" if how else "")
+        )
+        if last.get("detail"):
+            out.append(f"  {last['detail']}")
+        tail = last.get("log_tail") or []
+        if tail:
+            out.append(f"  Last {min(len(tail), TAIL_SHOWN)} lines SGLang printed:")
+            out.extend(f"    {line}" for line in tail[-TAIL_SHOWN:])
+    events = doc.get("events") or []
+    if events:
+        out.append("")
+        out.append("Recent events:")
+        for e in events[-8:]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(float(e.get("at", 0))))
+            detail = f" - {e['detail']}" if e.get("detail") else ""
+            out.append(f"  {stamp} {e.get('from')} -> {e.get('to')} ({e.get('reason')}){detail}")
+    return "\n".join(out)
+
+
+def run_status_command(
+    cfg: Config, as_json: bool, out: TextIO, err: TextIO, url: str | None = None
+) -> int:
+    base = url or f"http://{cfg.admin.listen}"
+    try:
+        r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False)
+        r.raise_for_status()
+        doc = r.json()
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+    except (httpx.HTTPError, ValueError) as exc:
+        print(
+            f"kimi-serve status: cannot reach the daemon at {base} ({exc}); "
+            "is it running? (systemctl status kimi-serve)",
+            file=err,
+        )
+        return EX_UNREACHABLE
+    if as_json:
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        print(render(doc, time.time()), file=out)
+    return EX_READY if doc.get("state") in ("ready", "degraded") else EX_NOT_READY

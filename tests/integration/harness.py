@@ -1,0 +1,260 @@
+"""Runs the real `kimi-serve run` as a process against the real stand-in, and watches it.
+
+Synchronisation is on what the daemon says: its JSON log lines arrive on a queue as they are
+printed (a reader thread), and `wait_state()` blocks on that queue, not on a clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from supervisor.process import OWNER_ENV
+
+BIN = Path(sys.executable).parent / "kimi-serve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def base_config(tmp: Path, **overrides: Any) -> dict[str, Any]:
+    """A config for the stand-in with short timings; `overrides` are merged per section."""
+    cfg: dict[str, Any] = {
+        "sglang": {
+            "python": sys.executable,
+            "module": "supervisor.standin",
+            "model_path": "/models/test-model",
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "args": {
+                "tp-size": 2,
+                "speculative-algorithm": "EAGLE3",
+                "speculative-eagle-topk": 1,
+                "speculative-num-draft-tokens": 4,
+                "enable-metrics": True,
+            },
+            "env": {
+                "STANDIN_LOAD_SECONDS": "0.3",
+                "STANDIN_WARMUP_SECONDS": "0.1",
+                "STANDIN_LAUNCH_COUNTER": str(tmp / "launches"),
+                "STANDIN_CRASH_SLEEP_SECONDS": "65",
+            },
+        },
+        "profiles": {
+            "fallback": {
+                "args": {
+                    "speculative-algorithm": None,
+                    "speculative-eagle-topk": None,
+                    "speculative-num-draft-tokens": None,
+                }
+            }
+        },
+        "readiness": {"load_timeout": "20s", "probe": {"max_tokens": 8, "timeout": "3s"}},
+        "liveness": {"interval": "0.5s", "timeout": "1s", "failure_threshold": 2},
+        "restart": {
+            "backoff_initial": "0.1s",
+            "backoff_max": "0.5s",
+            "crash_loop": {"max_restarts": 4, "window": "1h"},
+            "fallback_profile": None,
+        },
+        "stop": {"drain_timeout": "3s"},
+        "gpus": {"manage": False},
+        "admin": {"listen": f"127.0.0.1:{free_port()}"},
+        "state_dir": str(tmp / "state"),
+        "logging": {"format": "json", "level": "info"},
+    }
+    for section, value in overrides.items():
+        if isinstance(value, dict) and isinstance(cfg.get(section), dict):
+            _merge(cfg[section], value)
+        else:
+            cfg[section] = value
+    return cfg
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[str]
+    config_path: Path
+    cfg: dict[str, Any]
+    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    @property
+    def admin(self) -> str:
+        return f"http://{self.cfg['admin']['listen']}"
+
+    @property
+    def owner(self) -> str:
+        return str(Path(self.cfg["state_dir"]).resolve())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.raw.append(line)
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                self.events.put(doc)
+        self.events.put({"event": "__eof__"})
+
+    def next_event(self, until: float) -> dict[str, Any]:
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            ev = self.events.get(timeout=remaining)
+        except queue.Empty:
+            raise TimeoutError from None
+        self.seen.append(ev)
+        return ev
+
+    def wait_for(
+        self, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0, what: str = ""
+    ) -> dict[str, Any]:
+        until = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.next_event(until)
+            except TimeoutError:
+                states = [e.get("new") for e in self.seen if e.get("event") == "state"]
+                raise AssertionError(
+                    f"timed out waiting for {what}; states so far {states}; "
+                    f"last lines: {self.raw[-15:]}"
+                ) from None
+            if ev.get("event") == "__eof__":
+                raise AssertionError(f"daemon exited while waiting for {what}: {self.raw[-15:]}")
+            if pred(ev):
+                return ev
+
+    def wait_state(self, state: str, timeout: float = 20.0) -> dict[str, Any]:
+        return self.wait_for(
+            lambda e: e.get("event") == "state" and e.get("new") == state, timeout, state
+        )
+
+    def states(self) -> list[str]:
+        """States seen so far, including events not yet waited for."""
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if ev.get("event") != "__eof__":
+                self.seen.append(ev)
+        return [e["new"] for e in self.seen if e.get("event") == "state"]
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(self.admin + "/status", timeout=5)
+        r.raise_for_status()
+        doc: dict[str, Any] = r.json()
+        return doc
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.admin + path, timeout=5)
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        if self.reader is not None:
+            self.reader.join(5)
+        return code
+
+    def sglang_pid(self) -> int:
+        child = self.status()["child"]
+        assert child, "no SGLang child"
+        return int(child["pid"])
+
+
+def owned_processes(owner: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes that carry the daemon's owner marker."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(OWNER_ENV) == owner and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def kill_owned(owner: str) -> None:
+    for proc in owned_processes(owner):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@contextlib.contextmanager
+def running(tmp: Path, cfg: dict[str, Any], env: Mapping[str, str] | None = None) -> Iterator[Daemon]:
+    """Start the daemon; on exit stop it and prove nothing of ours is left alive."""
+    path = tmp / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("NOTIFY_SOCKET", None)
+    proc = subprocess.Popen(
+        [str(BIN), "run", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+    )
+    d = Daemon(proc, path, cfg)
+    d.reader = threading.Thread(target=d._read, daemon=True)
+    d.reader.start()
+    try:
+        yield d
+    finally:
+        try:
+            if proc.poll() is None:
+                d.stop()
+        finally:
+            left = wait_gone(owned_processes(d.owner), timeout=5)
+            kill_owned(d.owner)
+            assert not left, f"processes left behind: {[p.pid for p in left]}"
