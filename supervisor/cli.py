@@ -182,9 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
     p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
     p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")
-    p.add_argument(
-        "--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS"
-    )
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
     return parser
 
 

@@ -243,16 +243,16 @@ def parse_duration(value: object) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest spelling that `parse_duration` reads back as exactly `seconds` (>= 0)."""
+    """`1h`, `5m`, `500ms` where exact, else seconds; `parse_duration` reads it back exactly."""
     for unit, size in (("h", 3600.0), ("m", 60.0)):
         count = int(seconds // size) if seconds >= size else 0
         if count and count * size == seconds:
             return f"{count}{unit}"
-    ms = round(seconds * 1000)
-    if 0 < seconds < 1 and float(ms) * _UNIT_SECONDS["ms"] == seconds:
+    if 0 < seconds < 1 and (ms := round(seconds * 1000)) * _UNIT_SECONDS["ms"] == seconds:
         return f"{ms}ms"
     # Positional notation: the regex takes no exponent, and repr's digits read back exactly.
-    return f"{Decimal(repr(float(seconds))):f}s"
+    text = f"{Decimal(repr(float(seconds))):f}"
+    return f"{text.rstrip('0').rstrip('.') if '.' in text else text}s"
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -756,7 +756,7 @@ def _yaml_issue(exc: yaml.YAMLError, text: str) -> ConfigIssue:
     # is the line to fix.
     context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and start is not None and start.line + 1 != line:
-        problem = f"{problem} ({context} that starts on line {start.line + 1})"
+        problem = f"{context} (line {start.line + 1}): {problem}"
     return ConfigIssue("", line, f"invalid YAML: {problem}")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from supervisor import __version__, command, log
+from supervisor import __version__, command, log, preflight
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.identity import LaunchRecord, RecordStore
@@ -181,27 +181,6 @@ class Daemon:
                 f"{exc.strerror or exc} (state_dir in {self.cfg.path}, or StateDirectory=)",
                 1,
             )
-        try:
-            from supervisor import preflight
-        except ImportError:
-            preflight = None  # type: ignore[assignment]
-        if preflight is not None:
-            gpu_count = self._gpu_count if self.cfg.gpus.manage else None
-            checks, code = await asyncio.to_thread(preflight.startup_checks, self.cfg, gpu_count)
-            for check in checks:
-                if not check.ok:
-                    self.log.error(
-                        "preflight", check=check.name, kind=check.kind,
-                        message=check.message, hint=check.hint,
-                    )
-            if code is not None:
-                failed = next(c for c in checks if not c.ok)
-                hint = f" ({failed.hint})" if failed.hint else ""
-                return self._fatal(f"preflight: {failed.message}{hint}", code)
-            self.sglang_version = await asyncio.to_thread(
-                preflight.sglang_version_for, self.cfg
-            )
-            self.metrics.set_sglang_version(self.sglang_version)
         if self.cfg.gpus.manage:
             from supervisor import gpu
 
@@ -211,13 +190,29 @@ class Daemon:
                 return self._fatal(
                     f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}", 1
                 )
+        gpu_count = self._gpu_count if self.nvml is not None else None
+        checks, code = await asyncio.to_thread(preflight.startup_checks, self.cfg, gpu_count)
+        for check in preflight.failures(checks):
+            self.log.error(
+                "preflight",
+                check=check.name,
+                kind=check.kind,
+                message=check.message,
+                hint=check.hint,
+            )
+        if code is not None:
+            # A flag SGLang rejects, a missing interpreter: no restart fixes it, so exit 78
+            # (RestartPreventExitStatus=) instead of failing ten minutes into a load.
+            return self._fatal(preflight.summary(checks), code)
+        version = await asyncio.to_thread(preflight.sglang_version_for, self.cfg)
+        self.sglang_version = version or "unknown"
+        self.metrics.set_sglang_version(self.sglang_version)
         return None
 
     def _gpu_count(self) -> int:
         from supervisor import gpu
 
-        nvml = self.nvml or gpu.open_nvml()
-        return len(gpu.select(nvml.snapshot(), self.cfg.gpus.devices))
+        return len(gpu.select(self.nvml.snapshot(), self.cfg.gpus.devices))
 
     def _fatal(self, message: str, code: int) -> int:
         self.log.error(message)
@@ -320,12 +315,21 @@ class Daemon:
             self._since_unix = now_unix
             self.metrics.set_state(t.new, now_unix)
         self.events.append(
-            {"at": now_unix, "from": t.old.value, "to": t.new.value, "reason": t.reason,
-             "detail": t.detail}
+            {
+                "at": now_unix,
+                "from": t.old.value,
+                "to": t.new.value,
+                "reason": t.reason,
+                "detail": t.detail,
+            }
         )
         level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
         getattr(self.log, level)(
-            "state", old=t.old.value, new=t.new.value, reason=t.reason, detail=t.detail,
+            "state",
+            old=t.old.value,
+            new=t.new.value,
+            reason=t.reason,
+            detail=t.detail,
             profile=self.machine.ctx.profile,
         )
         if t.new is State.STOPPING:
@@ -350,25 +354,38 @@ class Daemon:
             stuck = await self.owner.sweep(leftovers)
             if stuck:
                 pids = ", ".join(str(i.pid) for i in stuck)
-                self.queue.put_nowait(HostNotReady(
-                    f"process {pids} of an earlier launch survives SIGKILL "
-                    "(stuck in the kernel, D state): the host needs attention", wedged=True,
-                ))
+                self.queue.put_nowait(
+                    HostNotReady(
+                        f"process {pids} of an earlier launch survives SIGKILL "
+                        "(stuck in the kernel, D state): the host needs attention",
+                        wedged=True,
+                    )
+                )
                 return
         self.store.clear()
+        # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
+        spec = command.build(self.cfg, self.machine.ctx.profile)
+        gpu_count = self._gpu_count if self.nvml is not None else None
+        problems = preflight.failures(preflight.host_checks(self.cfg, [spec], gpu_count))
+        if problems:
+            self.queue.put_nowait(HostNotReady(preflight.summary(problems)))
+            return
         if self.cfg.gpus.manage and self.nvml is not None:
             from supervisor import gpu
 
+            # No launch of ours runs during cleaning, so nothing is `current`.
             report = await gpu.clean(
-                self.cfg.gpus, self.nvml, current=set(), recorded=recorded,
-                term_grace=5.0,
+                self.cfg.gpus,
+                self.nvml,
+                current=set(),
+                recorded=recorded,
+                owner=self.owner.owner,
             )
             self.host = report.to_dict()
             for index, count in report.killed.items():
                 uuid = self._uuid_of(index)
                 self.metrics.gpu_killed.labels(str(index), uuid).inc(count)
             if report.release_seconds is not None:
-                self.metrics.gpu_memory_release = report.release_seconds
                 self.metrics.gpu_release.set(report.release_seconds)
             self._gpus_cache = (0.0, [])
             if not report.ok:
@@ -422,13 +439,17 @@ class Daemon:
         try:
             self.store.save(LaunchRecord(os.getpid(), profile, tuple(sorted(child.known))))
         except OSError as exc:
-            self.log.error("cannot record the launch", path=str(self.store.path),
-                           error=exc.strerror or str(exc))
+            self.log.error(
+                "cannot record the launch",
+                path=str(self.store.path),
+                error=exc.strerror or str(exc),
+            )
 
     def _exited(self, child: Child) -> None:
         assert child.exit is not None
-        self.log.info("sglang exited", pid=child.pid, exit_code=child.exit.exit_code,
-                      signal=child.exit.signal)
+        self.log.info(
+            "sglang exited", pid=child.pid, exit_code=child.exit.exit_code, signal=child.exit.signal
+        )
         self.queue.put_nowait(ChildExited(child.launch, child.exit.exit_code, child.exit.signal))
 
     def _stop_child(self, action: StopChild) -> None:
@@ -447,8 +468,9 @@ class Daemon:
             info = await self.owner.stop(child, action.graceful, self.cfg.stop.drain_timeout)
             survivors = self.owner.survivors(child)
             if survivors:
-                self.log.error("processes survive SIGKILL (D state?)",
-                               pids=[i.pid for i in survivors])
+                self.log.error(
+                    "processes survive SIGKILL (D state?)", pids=[i.pid for i in survivors]
+                )
             else:
                 self.store.clear()
             self.metrics.child_start_time.set(0)
@@ -477,14 +499,20 @@ class Daemon:
         if not result.ok:
             self.metrics.probe_failures.labels(kind.value, result.reason).inc()
         self.last_probe = {
-            "kind": kind.value, "ok": result.ok, "latency_s": round(result.latency_s, 4),
-            "completion_tokens": result.completion_tokens, "error": result.error,
-            "reason": result.reason, "spec_verify_ct": result.spec_verify_ct,
-            "busy": busy, "at": time.time(),
+            "kind": kind.value,
+            "ok": result.ok,
+            "latency_s": round(result.latency_s, 4),
+            "completion_tokens": result.completion_tokens,
+            "error": result.error,
+            "reason": result.reason,
+            "spec_verify_ct": result.spec_verify_ct,
+            "busy": busy,
+            "at": time.time(),
         }
         if not result.ok:
-            self.log.warning("probe failed", kind=kind.value, reason=result.reason,
-                             error=result.error, busy=busy)
+            self.log.warning(
+                "probe failed", kind=kind.value, reason=result.reason, error=result.error, busy=busy
+            )
         else:
             self.log.debug("probe ok", kind=kind.value, latency_s=result.latency_s)
 
@@ -503,20 +531,24 @@ class Daemon:
                     break
         spec = command.build(self.cfg, self.machine.ctx.profile)
         if info is None:
-            self.intent = {"checked": False, "mismatches": [],
-                           "error": "server_info unavailable"}
+            self.intent = {"checked": False, "mismatches": [], "error": "server_info unavailable"}
             return
         mismatches = intent.compare(spec, info, action.probe.meta)
         self.metrics.mismatch.clear()
         for m in mismatches:
             self.metrics.mismatch.labels(m.arg).set(1)
-            self.log.warning("server differs from the configuration", arg=m.arg,
-                             expected=m.expected, actual=m.actual)
+            self.log.warning(
+                "server differs from the configuration",
+                arg=m.arg,
+                expected=m.expected,
+                actual=m.actual,
+            )
         self.intent = {
             "checked": True,
             "version": info.get("version"),
-            "mismatches": [{"arg": m.arg, "expected": m.expected, "actual": m.actual}
-                           for m in mismatches],
+            "mismatches": [
+                {"arg": m.arg, "expected": m.expected, "actual": m.actual} for m in mismatches
+            ],
         }
 
     def _record_restart(self, action: RecordRestart) -> None:
@@ -524,13 +556,21 @@ class Daemon:
         self.metrics.restarts.labels(action.reason.value).inc()
         tail = self.scanner.tail()
         self.last_restart = {
-            "reason": action.reason.value, "at": time.time(), "exit_code": action.exit_code,
-            "signal": action.signal, "detail": action.detail,
-            "profile": self.machine.ctx.profile, "log_tail": tail,
+            "reason": action.reason.value,
+            "at": time.time(),
+            "exit_code": action.exit_code,
+            "signal": action.signal,
+            "detail": action.detail,
+            "profile": self.machine.ctx.profile,
+            "log_tail": tail,
         }
         self.log.error(
-            "sglang restart", reason=action.reason.value, detail=action.detail,
-            exit_code=action.exit_code, signal=action.signal, log_tail=tail[-30:],
+            "sglang restart",
+            reason=action.reason.value,
+            detail=action.detail,
+            exit_code=action.exit_code,
+            signal=action.signal,
+            log_tail=tail[-30:],
         )
 
     # ============================================================ log pump
@@ -541,8 +581,10 @@ class Daemon:
         start, count = self._forward_window
         if now - start >= 1.0:
             if self._suppressed:
-                self.log.warning("sglang log flood: lines not forwarded (still scanned)",
-                                 suppressed=self._suppressed)
+                self.log.warning(
+                    "sglang log flood: lines not forwarded (still scanned)",
+                    suppressed=self._suppressed,
+                )
                 self.metrics.log_suppressed.inc(self._suppressed)
             start, count, self._suppressed = now, 0, 0
         for line in lines:
@@ -570,8 +612,10 @@ class Daemon:
         try:
             new = config_mod.load(self.cfg.path)
         except ConfigError as exc:
-            self.log.error("reload refused: keeping the running configuration",
-                           errors=exc.render().splitlines())
+            self.log.error(
+                "reload refused: keeping the running configuration",
+                errors=exc.render().splitlines(),
+            )
             self.notifier.ready(f"{self.status_line()} (reload refused: config invalid)")
             return
         if _comparable(new) == _comparable(self.cfg):
@@ -579,7 +623,9 @@ class Daemon:
             self.notifier.ready(self.status_line())
             return
         if (new.admin, new.state_dir, new.logging) != (
-            self.cfg.admin, self.cfg.state_dir, self.cfg.logging
+            self.cfg.admin,
+            self.cfg.state_dir,
+            self.cfg.logging,
         ):
             self.log.warning("reload: admin.listen, state_dir and logging apply at next start")
         self.cfg = new
@@ -605,8 +651,10 @@ class Daemon:
             if (starting or self.machine.state is State.STOPPING) and (
                 now - last_extend >= EXTEND_EVERY_S
             ):
-                self.notifier.extend_timeout(EXTEND_BY_S + self.cfg.stop.drain_timeout
-                                             * (self.machine.state is State.STOPPING))
+                self.notifier.extend_timeout(
+                    EXTEND_BY_S
+                    + self.cfg.stop.drain_timeout * (self.machine.state is State.STOPPING)
+                )
                 self.notifier.status(self.status_line())
                 last_extend = now
             self._beat = now
@@ -643,8 +691,9 @@ class Daemon:
         elif state in (State.READY, State.DEGRADED) and self.last_probe:
             parts.append(f"- probe {self.last_probe['latency_s'] * 1000:.0f} ms")
             if state is State.DEGRADED:
-                parts.append(f"failing {ctx.liveness_failures}/"
-                             f"{self.cfg.liveness.failure_threshold}")
+                parts.append(
+                    f"failing {ctx.liveness_failures}/{self.cfg.liveness.failure_threshold}"
+                )
         if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
             parts.append(f"- {self.detail}")
         return " ".join(parts)[:400]
@@ -684,8 +733,12 @@ class Daemon:
             "version": __version__,
             "sglang_version": self.sglang_version,
             "config": self.cfg.path,
-            "child": None if child is None else {
-                "pid": child.pid, "started_at": child.started_at, "launch": child.launch,
+            "child": None
+            if child is None
+            else {
+                "pid": child.pid,
+                "started_at": child.started_at,
+                "launch": child.launch,
                 "processes": sorted(i.pid for i in child.known),
             },
             "restarts": dict(self.restarts),

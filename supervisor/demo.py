@@ -38,13 +38,13 @@ TEMPLATE = """\
 sglang:
   python: {python}
   module: supervisor.standin
-  model_path: /models/demo-kimi-k2.5
+  model_path: {model}
   host: 127.0.0.1
   port: {sglang_port}
   args:
     tp-size: 2
     speculative-algorithm: EAGLE3
-    speculative-draft-model-path: /models/demo-eagle3
+    speculative-draft-model-path: {draft}
     speculative-num-steps: 3
     speculative-eagle-topk: 1
     speculative-num-draft-tokens: 4
@@ -97,10 +97,18 @@ def write_config(workdir: Path, fault: str | None, load_seconds: float) -> Path:
         env["STANDIN_FAULT"] = fault
         # Only the first launch is broken, so the demo shows the recovery too.
         env["STANDIN_FAULT_LAUNCH"] = "1"
+    models = {}
+    for name in ("demo-kimi-k2.5", "demo-eagle3"):
+        # Preflight checks that a model directory holds config.json, as a real one does.
+        models[name] = workdir / "models" / name
+        models[name].mkdir(parents=True)
+        (models[name] / "config.json").write_text('{"model_type": "stand-in"}\n')
     path = workdir / "kimi-serve-demo.yaml"
     path.write_text(
         TEMPLATE.format(
             python=sys.executable,
+            model=models["demo-kimi-k2.5"],
+            draft=models["demo-eagle3"],
             sglang_port=_free_port(30000),
             admin_port=_free_port(29400),
             state_dir=workdir / "state",
@@ -111,7 +119,10 @@ def write_config(workdir: Path, fault: str | None, load_seconds: float) -> Path:
 
 
 def run_demo(
-    fault: str | None, out: TextIO, err: TextIO, load_seconds: float = 3.0,
+    fault: str | None,
+    out: TextIO,
+    err: TextIO,
+    load_seconds: float = 3.0,
     duration: float | None = None,
 ) -> int:
     from supervisor.daemon import Daemon
@@ -132,7 +143,7 @@ kimi-serve demo: the real supervisor, with a stand-in playing SGLang (no GPU nee
   ready?    curl -i {admin}/readyz
   metrics:  curl {admin}/metrics
   SGLang:   http://127.0.0.1:{cfg.sglang.port} (the stand-in; try /generate)
-  fault:    {fault or 'none (try --fault seed-incident)'}
+  fault:    {fault or "none (try --fault seed-incident)"}
 Press Ctrl-C to stop: SGLang is stopped and nothing is left running.
 """,
             file=out,
@@ -143,9 +154,7 @@ Press Ctrl-C to stop: SGLang is stopped and nothing is left running.
 
         async def main() -> int:
             if duration is not None:
-                asyncio.get_running_loop().call_later(
-                    duration, os.kill, os.getpid(), signal.SIGINT
-                )
+                asyncio.get_running_loop().call_later(duration, os.kill, os.getpid(), signal.SIGINT)
             return await Daemon(cfg).run()
 
         code = asyncio.run(main())

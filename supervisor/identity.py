@@ -19,6 +19,9 @@ from pathlib import Path
 import psutil
 
 RECORD_FILE = "launch.json"
+# Every process we launch carries this variable (inherited by SGLang's children). Its value is
+# the daemon's state directory, so two daemons on one host never touch each other's processes.
+OWNER_ENV = "KIMI_SERVE_OWNER"
 # psutil's create_time comes from /proc/<pid>/stat in clock ticks since boot; two reads of the
 # same process agree far better than this.
 _CREATE_TIME_SLACK = 0.05
@@ -148,5 +151,7 @@ class RecordStore:
             self.path.unlink()
 
 
-def merge(known: Iterable[ProcessIdentity], new: Iterable[ProcessIdentity]) -> tuple[ProcessIdentity, ...]:
+def merge(
+    known: Iterable[ProcessIdentity], new: Iterable[ProcessIdentity]
+) -> tuple[ProcessIdentity, ...]:
     return tuple(sorted(set(known) | set(new)))

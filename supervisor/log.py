@@ -14,8 +14,13 @@ from typing import Any, TextIO
 import structlog
 
 PRIORITY = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 def stdout_is_journal(stream: TextIO) -> bool:
@@ -34,8 +39,12 @@ def _priority_prefix(_logger: Any, method: str, rendered: str) -> str:
     return f"<{PRIORITY.get(level, 6)}>{rendered}"
 
 
-def setup(fmt: str = "console", level: str = "info", stream: TextIO | None = None,
-          prefix: bool | None = None) -> None:
+def setup(
+    fmt: str = "console",
+    level: str = "info",
+    stream: TextIO | None = None,
+    prefix: bool | None = None,
+) -> None:
     out = stream or sys.stdout
     use_prefix = stdout_is_journal(out) if prefix is None else prefix
     processors: list[Any] = [

@@ -55,8 +55,10 @@ class Metrics:
     ) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.state = Gauge(
-            "kimi_serve_state", "1 for the daemon's current state, 0 for the others.",
-            ["state"], registry=r,
+            "kimi_serve_state",
+            "1 for the daemon's current state, 0 for the others.",
+            ["state"],
+            registry=r,
         )
         self.ready = Gauge(
             "kimi_serve_ready",
@@ -72,11 +74,15 @@ class Metrics:
         self.probe_duration = Histogram(
             "kimi_serve_probe_duration_seconds",
             "Decode probe round trip, by kind (readiness|liveness) and outcome.",
-            ["kind", "outcome"], buckets=PROBE_BUCKETS, registry=r,
+            ["kind", "outcome"],
+            buckets=PROBE_BUCKETS,
+            registry=r,
         )
         self.probe_failures = Counter(
-            "kimi_serve_probe_failures", "Failed decode probes, by kind and reason.",
-            ["kind", "reason"], registry=r,
+            "kimi_serve_probe_failures",
+            "Failed decode probes, by kind and reason.",
+            ["kind", "reason"],
+            registry=r,
         )
         self.last_load = Gauge(
             "kimi_serve_last_load_duration_seconds",
@@ -91,7 +97,8 @@ class Metrics:
         self.gpu_killed = Counter(
             "kimi_serve_gpu_leftover_processes_killed",
             "Leftover GPU processes killed before a launch, per GPU.",
-            ["gpu", "UUID"], registry=r,
+            ["gpu", "UUID"],
+            registry=r,
         )
         self.gpu_release = Gauge(
             "kimi_serve_gpu_memory_release_seconds",
@@ -99,12 +106,16 @@ class Metrics:
             registry=r,
         )
         self.profile = Gauge(
-            "kimi_serve_profile_info", "1 for the profile SGLang is launched with.",
-            ["profile"], registry=r,
+            "kimi_serve_profile_info",
+            "1 for the profile SGLang is launched with.",
+            ["profile"],
+            registry=r,
         )
         self.build = Gauge(
-            "kimi_serve_build_info", "kimi-serve's version and the SGLang version it runs.",
-            ["version", "sglang_version"], registry=r,
+            "kimi_serve_build_info",
+            "kimi-serve's version and the SGLang version it runs.",
+            ["version", "sglang_version"],
+            registry=r,
         )
         self.log_lines = Counter(
             "kimi_serve_log_lines", "Lines SGLang printed, by stream.", ["stream"], registry=r
@@ -117,10 +128,12 @@ class Metrics:
         self.mismatch = Gauge(
             "kimi_serve_server_arg_mismatch",
             "1 when the running server's resolved argument differs from the configured one.",
-            ["arg"], registry=r,
+            ["arg"],
+            registry=r,
         )
         self.state_since = Gauge(
-            "kimi_serve_state_since_seconds", "Unix time the current state was entered.",
+            "kimi_serve_state_since_seconds",
+            "Unix time the current state was entered.",
             registry=r,
         )
         r.register(_GpuCollector(gpu_snapshot))

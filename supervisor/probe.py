@@ -223,7 +223,9 @@ async def probe(
         return ProbeResult(False, "connection_lost", msg, clock() - start)
     latency = clock() - start
     if raw is None:
-        return ProbeResult(False, "malformed", f"answer larger than {MAX_BODY_BYTES} bytes", latency)
+        return ProbeResult(
+            False, "malformed", f"answer larger than {MAX_BODY_BYTES} bytes", latency
+        )
     if status == 503:
         # SGLang answers 503 while it is still starting (or draining).
         return ProbeResult(False, "http_status", "HTTP 503: not serving yet", latency, not_up=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from supervisor.identity import (
+    OWNER_ENV,
     ProcessIdentity,
     descendants,
     identity_of,
@@ -35,9 +36,6 @@ from supervisor.identity import (
 )
 from supervisor.logscan import Stream
 
-# Every process we launch carries this variable (inherited by SGLang's children). Its value is
-# the daemon's state directory, so two daemons on one host never touch each other's processes.
-OWNER_ENV = "KIMI_SERVE_OWNER"
 LAUNCH_ENV = "KIMI_SERVE_LAUNCH"
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20  # room for a burst of log lines while the loop is busy elsewhere
@@ -156,7 +154,11 @@ class _Pump:
             parts.append(self.partial)
             self.partial = b""
         if parts:
-            self.sink(self.child.launch, self.stream, [p.decode("utf-8", "replace").rstrip("\r") for p in parts])
+            self.sink(
+                self.child.launch,
+                self.stream,
+                [p.decode("utf-8", "replace").rstrip("\r") for p in parts],
+            )
 
     def close(self) -> None:
         if self.fd < 0:

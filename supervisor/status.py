@@ -37,7 +37,9 @@ def render(doc: dict[str, Any], now: float) -> str:
     state = doc.get("state", "?")
     mark = "●"
     out.append(f"{mark} kimi-serve {doc.get('version', '')} - SGLang {doc.get('sglang_version')}")
-    out.append(f"     State: {state} since {_when(doc.get('since'))}; {_ago(doc.get('since'), now)}")
+    out.append(
+        f"     State: {state} since {_when(doc.get('since'))}; {_ago(doc.get('since'), now)}"
+    )
     if doc.get("detail"):
         out.append(f"    Detail: {doc['detail']}")
     out.append(f"   Profile: {doc.get('profile')}")

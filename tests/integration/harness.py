@@ -38,11 +38,14 @@ def free_port() -> int:
 
 def base_config(tmp: Path, **overrides: Any) -> dict[str, Any]:
     """A config for the stand-in with short timings; `overrides` are merged per section."""
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}\n')
     cfg: dict[str, Any] = {
         "sglang": {
             "python": sys.executable,
             "module": "supervisor.standin",
-            "model_path": "/models/test-model",
+            "model_path": str(model),
             "host": "127.0.0.1",
             "port": free_port(),
             "args": {
@@ -232,7 +235,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 @contextlib.contextmanager
-def running(tmp: Path, cfg: dict[str, Any], env: Mapping[str, str] | None = None) -> Iterator[Daemon]:
+def running(
+    tmp: Path, cfg: dict[str, Any], env: Mapping[str, str] | None = None
+) -> Iterator[Daemon]:
     """Start the daemon; on exit stop it and prove nothing of ours is left alive."""
     path = tmp / "kimi-serve.yaml"
     path.write_text(yaml.safe_dump(cfg))

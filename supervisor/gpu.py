@@ -1,0 +1,887 @@
+"""GPU hygiene: find the processes on our GPUs, remove our leftovers, wait until memory is free.
+
+Three layers, in the order a reader meets them:
+
+- NVML behind a two-method interface (`Nvml`): the real one over nvidia-ml-py, a simulated one
+  (`gpu_sim`) for machines with no GPU. GPUs are keyed by UUID: indexes shift with
+  `CUDA_VISIBLE_DEVICES`, UUIDs do not (sglang-facts.md).
+- `classify()`: pure. From NVML's view, each process's psutil facts and what this daemon launched
+  it decides what every process on our GPUs is. Only our own leftovers are ever signalled.
+- `clean()`: the effects. SIGTERM, grace, SIGKILL, each signal preceded by a (pid, create time)
+  check; then wait until NVML shows the memory free, because the driver releases it
+  asynchronously and a launch before that fails with out-of-memory ten minutes later
+  (sglang PR #39545 waits the same way).
+
+Why leftovers exist at all: an SGLang scheduler still loading when its parent dies has not yet
+set PR_SET_PDEATHSIG and keeps its GPU memory (sglang #23627).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import psutil
+
+from supervisor.config import Config, GpusConfig
+from supervisor.identity import (
+    ProcessIdentity,
+    RecordStore,
+    descendants,
+    identity_of,
+    live_process,
+    signal_identity,
+)
+from supervisor.identity import OWNER_ENV
+
+MiB = 1 << 20
+GiB = 1 << 30
+# Two psutil reads of one process's create time agree far better than this (identity.py).
+_SAME_START = 0.05
+# An NVML call that takes longer than this means a hung driver or GPU; nvidia-smi hangs too.
+NVML_CALL_TIMEOUT = 10.0
+
+
+# --------------------------------------------------------------------------------------------
+# NVML
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int  # a host pid, also inside containers (sglang-facts.md)
+    used_bytes: int | None  # None: the driver does not say (e.g. without permission)
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    index: int  # NVML's index, which ignores CUDA_VISIBLE_DEVICES
+    uuid: str
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    processes: tuple[GpuProcess, ...]
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot answer: no driver, no permission, a GPU lost. The message says what to do."""
+
+
+class UnknownDevice(NvmlUnavailable):
+    """`gpus.devices` names a GPU this host does not have."""
+
+
+class Nvml(Protocol):
+    def snapshot(self) -> list[GpuSnapshot]: ...
+
+    def close(self) -> None: ...
+
+
+# nvmlReturn_t values (nvml.h) that deserve their own advice.
+_NO_PERMISSION = 4
+_DRIVER_NOT_LOADED = 9
+_LIBRARY_NOT_FOUND = 12
+_FUNCTION_NOT_FOUND = 13
+_GPU_IS_LOST = 15
+_LIB_RM_VERSION_MISMATCH = 18
+_ARGUMENT_VERSION_MISMATCH = 25
+_OFF = "or set gpus.manage: false on a machine without NVIDIA GPUs"
+
+
+def _advice(exc: Exception, gpu: int | None) -> str:
+    code = getattr(exc, "value", None)
+    where = f"GPU {gpu}: " if gpu is not None else ""
+    if code == _LIBRARY_NOT_FOUND:
+        return (
+            "NVML is not available: the NVIDIA driver library libnvidia-ml.so.1 was not found; "
+            f"install the NVIDIA driver, {_OFF}"
+        )
+    if code == _DRIVER_NOT_LOADED:
+        return f"NVML is not available: the NVIDIA kernel driver is not loaded; load it, {_OFF}"
+    if code == _NO_PERMISSION:
+        return (
+            f"{where}NVML says permission denied: user uid {os.getuid()} cannot use the GPUs "
+            f"(/dev/nvidia*); run kimi-serve as a user with GPU access, {_OFF}"
+        )
+    if code == _GPU_IS_LOST:
+        return (
+            f"{where}the GPU is lost (fell off the bus, see dmesg for Xid 79); "
+            "it needs a GPU reset or a reboot before anything can run on it"
+        )
+    if code == _LIB_RM_VERSION_MISMATCH:
+        return (
+            "NVML is not available: the NVIDIA driver library and kernel module versions differ "
+            "(driver upgraded without a reboot); reboot the host"
+        )
+    return f"{where}NVML error: {exc}"
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class PynvmlNvml:
+    """The real NVML through nvidia-ml-py. Open once per process; `close()` at exit.
+
+    `lib` is the pynvml module; a test passes a stand-in to reach the error paths.
+    """
+
+    def __init__(self, lib: Any = None) -> None:
+        self._lib = lib if lib is not None else importlib.import_module("pynvml")
+        lib = self._lib
+        self._memory_v2 = hasattr(lib, "nvmlMemory_v2")
+        try:
+            lib.nvmlInit()
+        except lib.NVMLError as exc:
+            raise NvmlUnavailable(_advice(exc, None)) from None
+        self._open = True
+
+    def _memory(self, handle: object) -> tuple[int, int]:
+        lib = self._lib
+        if self._memory_v2:
+            # v1's `used` counts driver-reserved memory since R510: an empty H200 would look
+            # busy against a small threshold. v2 reports it apart (sglang-facts.md).
+            try:
+                mem = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
+                return int(mem.used), int(mem.total)
+            except lib.NVMLError as exc:
+                if getattr(exc, "value", None) not in (
+                    _FUNCTION_NOT_FOUND,
+                    _ARGUMENT_VERSION_MISMATCH,
+                ):
+                    raise
+                self._memory_v2 = False
+        mem = lib.nvmlDeviceGetMemoryInfo(handle)
+        return int(mem.used), int(mem.total)
+
+    def snapshot(self) -> list[GpuSnapshot]:
+        lib = self._lib
+        out = []
+        index: int | None = None
+        try:
+            for index in range(lib.nvmlDeviceGetCount()):
+                handle = lib.nvmlDeviceGetHandleByIndex(index)
+                used, total = self._memory(handle)
+                procs = tuple(
+                    GpuProcess(
+                        int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+                    )
+                    for p in lib.nvmlDeviceGetComputeRunningProcesses(handle)
+                )
+                out.append(
+                    GpuSnapshot(
+                        index=index,
+                        uuid=_text(lib.nvmlDeviceGetUUID(handle)),
+                        name=_text(lib.nvmlDeviceGetName(handle)),
+                        memory_used_bytes=used,
+                        memory_total_bytes=total,
+                        processes=procs,
+                    )
+                )
+        except lib.NVMLError as exc:
+            raise NvmlUnavailable(_advice(exc, index)) from None
+        return out
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            with contextlib.suppress(self._lib.NVMLError):
+                self._lib.nvmlShutdown()
+
+
+def open_nvml() -> Nvml:
+    """The host's NVML, or the simulation when KIMI_SERVE_SIMULATED_GPUS is set.
+
+    Raises NvmlUnavailable with an operator-readable message.
+    """
+    from supervisor import gpu_sim
+
+    if os.environ.get(gpu_sim.ENV_GPUS):
+        return gpu_sim.SimulatedNvml.from_env(os.environ)
+    return PynvmlNvml()
+
+
+def select(
+    snapshots: Sequence[GpuSnapshot], devices: str | tuple[int | str, ...]
+) -> list[GpuSnapshot]:
+    """The managed GPUs (`gpus.devices`: "all", indexes or UUIDs). Raises UnknownDevice."""
+    if devices == "all":
+        return sorted(snapshots, key=lambda s: s.index)
+    by_index = {s.index: s for s in snapshots}
+    by_uuid = {s.uuid.lower(): s for s in snapshots}
+    out: list[GpuSnapshot] = []
+    missing: list[str] = []
+    for dev in devices:
+        snap = by_index.get(dev) if isinstance(dev, int) else by_uuid.get(dev.lower())
+        if snap is None:
+            missing.append(str(dev))
+        elif snap not in out:
+            out.append(snap)
+    if missing:
+        have = ", ".join(f"{s.index} ({s.uuid})" for s in sorted(snapshots, key=lambda s: s.index))
+        raise UnknownDevice(
+            f"gpus.devices names {', '.join(missing)}, which NVML does not list on this host "
+            f"(it has: {have or 'no GPUs'}); fix gpus.devices (NVML indexes ignore "
+            "CUDA_VISIBLE_DEVICES; `nvidia-smi -L` lists indexes and UUIDs)"
+        )
+    return out
+
+
+def gpu_status(snapshots: Iterable[GpuSnapshot]) -> list[dict[str, Any]]:
+    """The admin /status `gpus` list (and the per-GPU metrics)."""
+    return [
+        {
+            "index": s.index,
+            "uuid": s.uuid,
+            "name": s.name,
+            "memory_used_bytes": s.memory_used_bytes,
+            "memory_total_bytes": s.memory_total_bytes,
+            "processes": [p.pid for p in s.processes],
+        }
+        for s in snapshots
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Facts about processes, and the pure classification
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcFacts:
+    pid: int
+    create_time: float
+    cmdline: tuple[str, ...]  # empty for a zombie or when the kernel hides it
+    uid: int | None  # real uid
+    username: str | None
+    status: str  # psutil.STATUS_*: "running", "sleeping", "disk-sleep", "zombie", ...
+    ppid: int | None
+    owner: str | None = None  # the KIMI_SERVE_OWNER marker every process we launch inherits
+
+
+def gather_facts(pids: Iterable[int]) -> dict[int, ProcFacts]:
+    """psutil's view of each pid; a pid that does not exist (here) is left out."""
+    out = {}
+    for pid in set(pids):
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                status = proc.status()
+                create_time = proc.create_time()
+                ppid = proc.ppid()
+                uid: int | None = proc.uids().real
+                cmdline: tuple[str, ...] = ()
+                username: str | None = None
+                owner: str | None = None
+                with contextlib.suppress(psutil.AccessDenied, psutil.ZombieProcess):
+                    cmdline = tuple(proc.cmdline())
+                with contextlib.suppress(psutil.AccessDenied, psutil.ZombieProcess, KeyError):
+                    username = proc.username()
+                with contextlib.suppress(psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                    owner = proc.environ().get(OWNER_ENV)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+        out[pid] = ProcFacts(pid, create_time, cmdline, uid, username, status, ppid, owner)
+    return out
+
+
+class Kind(StrEnum):
+    CURRENT = "current"  # the daemon's own SGLang of this launch: left alone
+    LEFTOVER = "leftover"  # ours from an earlier launch: removed (policy permitting)
+    FOREIGN = "foreign"  # anyone else's: never signalled, reported
+    ZOMBIE = "zombie"  # exited, not reaped: holds no GPU memory; reaped if it is our child
+    STUCK = "stuck"  # D state in the driver: no signal reaches it; the GPU is wedged
+    WEDGED = "wedged"  # memory held and no process we can see holds it
+
+
+@dataclass(frozen=True)
+class Classified:
+    kind: Kind
+    pid: int | None  # None: memory with no process listed at all
+    gpus: tuple[int, ...]  # indexes where it holds memory; () for a recorded one holding none
+    used_bytes: int | None  # summed over `gpus`; None when NVML does not say
+    ours: bool
+    reason: str
+    identity: ProcessIdentity | None = None
+    cmdline: str = ""
+    user: str | None = None
+    ppid: int | None = None
+
+    @property
+    def to_remove(self) -> bool:
+        """Ours and to be signalled: a leftover, or one of ours in D state (a SIGKILL stays
+        pending and lands if it ever leaves the driver)."""
+        return self.kind is Kind.LEFTOVER or (self.kind is Kind.STUCK and self.ours)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "pid": self.pid,
+            "gpus": list(self.gpus),
+            "used_bytes": self.used_bytes,
+            "ours": self.ours,
+            "reason": self.reason,
+            "create_time": self.identity.create_time if self.identity else None,
+            "cmdline": self.cmdline,
+            "user": self.user,
+            "ppid": self.ppid,
+        }
+
+
+def _start_times(idents: Iterable[ProcessIdentity]) -> dict[int, float]:
+    return {i.pid: i.create_time for i in idents}
+
+
+def _same_start(recorded: float | None, actual: float) -> bool:
+    return recorded is not None and abs(recorded - actual) < _SAME_START
+
+
+def _decide(
+    f: ProcFacts,
+    *,
+    current: bool,
+    recorded: bool,
+    match: tuple[str, ...],
+    daemon_uid: int,
+    owner: str | None,
+) -> tuple[Kind, bool, str]:
+    joined = " ".join(f.cmdline)
+    hit = next((m for m in match if m in joined), None)
+    other_daemon = owner is not None and f.owner is not None and f.owner != owner
+    mine = owner is not None and f.owner == owner
+    matched_mine = hit is not None and f.uid == daemon_uid and not other_daemon
+    ours = current or recorded or mine or matched_mine
+    if current:
+        return Kind.CURRENT, True, "the daemon's current launch"
+    if f.status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return Kind.ZOMBIE, ours, f"exited, not yet reaped by its parent (pid {f.ppid})"
+    if f.status == psutil.STATUS_DISK_SLEEP:
+        return Kind.STUCK, ours, "in uninterruptible sleep (D state): no signal reaches it"
+    if recorded:
+        return Kind.LEFTOVER, True, "recorded by an earlier launch of this daemon"
+    if mine:
+        return Kind.LEFTOVER, True, f"carries this daemon's {OWNER_ENV} marker"
+    if other_daemon:
+        return Kind.FOREIGN, False, f"launched by another kimi-serve ({OWNER_ENV}={f.owner})"
+    if hit is not None:
+        if f.uid == daemon_uid:
+            return Kind.LEFTOVER, True, f"command line matches {hit!r} (gpus.match)"
+        who = f.username or f"uid {f.uid}"
+        return (
+            Kind.FOREIGN,
+            False,
+            f"matches {hit!r} but runs as {who}, not the daemon's uid {daemon_uid}",
+        )
+    return Kind.FOREIGN, False, "not launched by this daemon and does not match gpus.match"
+
+
+def classify(
+    snapshots: Sequence[GpuSnapshot],
+    facts: Mapping[int, ProcFacts],
+    ours_current: set[ProcessIdentity],
+    ours_recorded: set[ProcessIdentity],
+    match: tuple[str, ...],
+    daemon_uid: int,
+    *,
+    owner: str | None = None,
+    threshold_bytes: int = 0,
+) -> list[Classified]:
+    """What each process on the given GPUs (and each recorded one still alive) is.
+
+    Policy, in order: the current launch is left alone; a zombie holds nothing; D state is
+    stuck; a recorded (pid, create time) or our owner marker is ours whatever its command line
+    says; another daemon's marker is foreign; a `match` hit is ours only under the daemon's own
+    uid (never kill someone else's); everything else is foreign. A GPU that holds more than
+    `threshold_bytes` with no process listed, or lists a pid no one can see, is wedged.
+    """
+    on_gpu: dict[int, list[tuple[int, int | None]]] = {}
+    out: list[Classified] = []
+    for snap in snapshots:
+        for p in snap.processes:
+            on_gpu.setdefault(p.pid, []).append((snap.index, p.used_bytes))
+        if not snap.processes and snap.memory_used_bytes > threshold_bytes:
+            out.append(
+                Classified(
+                    Kind.WEDGED,
+                    None,
+                    (snap.index,),
+                    snap.memory_used_bytes,
+                    False,
+                    "memory held with no process listed by NVML",
+                )
+            )
+    current = _start_times(ours_current)
+    recorded = _start_times(ours_recorded)
+    for pid in sorted(set(on_gpu) | set(recorded)):
+        held = on_gpu.get(pid, [])
+        gpus = tuple(g for g, _ in held)
+        used = None if any(b is None for _, b in held) else sum(b or 0 for _, b in held)
+        f = facts.get(pid)
+        if f is None:
+            if held:
+                out.append(
+                    Classified(
+                        Kind.WEDGED,
+                        pid,
+                        gpus,
+                        used,
+                        False,
+                        "NVML lists this pid but no such process is visible "
+                        "(exited inside the driver, or in another PID namespace)",
+                    )
+                )
+            continue
+        is_recorded = _same_start(recorded.get(pid), f.create_time)
+        if not held and not is_recorded:
+            continue  # a recorded pid now names some other process, which holds no GPU memory
+        kind, ours, reason = _decide(
+            f,
+            current=_same_start(current.get(pid), f.create_time),
+            recorded=is_recorded,
+            match=match,
+            daemon_uid=daemon_uid,
+            owner=owner,
+        )
+        out.append(
+            Classified(
+                kind,
+                pid,
+                gpus,
+                used,
+                ours,
+                reason,
+                identity=ProcessIdentity(pid, f.create_time),
+                cmdline=" ".join(f.cmdline),
+                user=f.username,
+                ppid=f.ppid,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Cleaning
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CleanReport:
+    ok: bool  # every managed GPU free: nothing of ours on it, used memory under the threshold
+    message: str  # one line for STATUS= / `systemctl status`
+    found: list[Classified] = field(default_factory=list)
+    killed: dict[int, int] = field(default_factory=dict)  # GPU index -> leftovers removed
+    foreign: list[Classified] = field(default_factory=list)
+    wedged: list[str] = field(default_factory=list)  # non-empty: retrying cannot help
+    release_seconds: float | None = None
+    actions: dict[int, str] = field(default_factory=dict)  # pid -> what was done to it
+    before: list[dict[str, Any]] = field(default_factory=list)  # gpu_status() at the start
+    after: list[dict[str, Any]] = field(default_factory=list)  # gpu_status() at the end
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "message": self.message,
+            "found": [c.to_dict() for c in self.found],
+            "killed": {str(k): v for k, v in sorted(self.killed.items())},
+            "foreign": [c.to_dict() for c in self.foreign],
+            "wedged": list(self.wedged),
+            "release_seconds": self.release_seconds,
+            "actions": {str(k): v for k, v in sorted(self.actions.items())},
+            "before": self.before,
+            "after": self.after,
+            "dry_run": self.dry_run,
+        }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "? MiB"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def _gpu_name(snap: GpuSnapshot) -> str:
+    return f"GPU {snap.index} ({snap.uuid[:12]})"
+
+
+def _short(cmdline: str, width: int = 60) -> str:
+    # One line whatever the command line holds: a newline would split a STATUS= message.
+    # The middle goes: the program is at the start, SGLang's process title at the end.
+    flat = " ".join(cmdline.split())
+    if len(flat) <= width:
+        return flat
+    head = (width - 5) // 2
+    return f"{flat[:head]} ... {flat[-(width - 5 - head) :]}"
+
+
+def _holder(c: Classified) -> str:
+    if c.pid is None:
+        return "no process listed by NVML"
+    what = c.cmdline and f", {_short(c.cmdline)}"
+    stuck = " stuck in the driver (D state)" if c.kind is Kind.STUCK else ""
+    return f"pid {c.pid}{stuck} ({c.kind.value}{what}, {_size(c.used_bytes)})"
+
+
+def _wedged_line(c: Classified) -> str:
+    where = ", ".join(f"GPU {g}" for g in c.gpus)
+    if c.pid is None:
+        return f"{where}: {_size(c.used_bytes)} held with no process listed by NVML"
+    return f"{where}: {_holder(c)}: {c.reason}"
+
+
+def _per_gpu(counts: Mapping[int, int]) -> str:
+    return ", ".join(f"GPU {g}: {n}" for g, n in sorted(counts.items()))
+
+
+async def _snapshot(nvml: Nvml, devices: str | tuple[int | str, ...]) -> list[GpuSnapshot]:
+    # NVML blocks in the driver; a hung GPU must not stall the daemon's loop (and its watchdog).
+    try:
+        async with asyncio.timeout(NVML_CALL_TIMEOUT):
+            snaps = await asyncio.to_thread(nvml.snapshot)
+    except TimeoutError:
+        raise NvmlUnavailable(
+            f"NVML did not answer within {NVML_CALL_TIMEOUT:g}s: the driver or a GPU is hung "
+            "(nvidia-smi will hang too); the host needs attention"
+        ) from None
+    return select(snaps, devices)
+
+
+def _busy(snaps: Sequence[GpuSnapshot], threshold: int, ours: set[int]) -> list[GpuSnapshot]:
+    return [
+        s
+        for s in snaps
+        if s.memory_used_bytes > threshold or any(p.pid in ours for p in s.processes)
+    ]
+
+
+def _signal(ident: ProcessIdentity, sig: signal.Signals) -> str:
+    """Signal only the very process classified (pid and create time); say what happened."""
+    if signal_identity(ident, sig):
+        return sig.name
+    now = identity_of(ident.pid)
+    if now is None:
+        return "already gone"
+    if not _same_start(now.create_time, ident.create_time):
+        return "not signalled: the pid now names another process"
+    if live_process(ident) is None:
+        return "already gone (zombie)"
+    return "not signalled: permission denied"
+
+
+async def _wait_gone(
+    idents: list[ProcessIdentity], deadline: float, clock: Callable[[], float], poll: float
+) -> list[ProcessIdentity]:
+    # These are not our children: no SIGCHLD, so poll against the deadline. A zombie counts as
+    # gone: it has released its GPU memory (measured on H200, sglang-facts.md).
+    while True:
+        alive = [i for i in idents if live_process(i) is not None]
+        if not alive or clock() >= deadline:
+            return alive
+        await asyncio.sleep(poll)
+
+
+async def _terminate(
+    targets: list[Classified], grace: float, clock: Callable[[], float], poll: float
+) -> dict[int, str]:
+    notes: dict[int, str] = {}
+    pending = []
+    for c in targets:
+        assert c.pid is not None and c.identity is not None
+        notes[c.pid] = _signal(c.identity, signal.SIGTERM)
+        if notes[c.pid] == "SIGTERM":
+            pending.append(c.identity)
+    for ident in await _wait_gone(pending, clock() + grace, clock, poll):
+        notes[ident.pid] += ", " + _signal(ident, signal.SIGKILL)
+    return notes
+
+
+def _reap(c: Classified) -> str:
+    """A zombie that is our own child is reaped here; any other is its parent's (or init's)."""
+    if c.pid is None or c.ppid != os.getpid():
+        return f"left for its parent (pid {c.ppid}) to reap"
+    try:
+        reaped, _ = os.waitpid(c.pid, os.WNOHANG)
+    except ChildProcessError:
+        return "already reaped"
+    return "reaped" if reaped else "not reaped yet"
+
+
+async def clean(
+    cfg: GpusConfig,
+    nvml: Nvml,
+    *,
+    current: set[ProcessIdentity],
+    recorded: set[ProcessIdentity],
+    dry_run: bool = False,
+    term_grace: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    poll: float = 0.1,
+    daemon_uid: int | None = None,
+    owner: str | None = None,
+    facts: Callable[[Iterable[int]], Mapping[int, ProcFacts]] = gather_facts,
+) -> CleanReport:
+    """Remove our leftovers from the managed GPUs and wait until their memory is free.
+
+    `current`: the running launch's processes (never touched). `recorded`: what earlier launches
+    recorded; those still alive are removed even when they hold no GPU memory (a detokenizer, a
+    scheduler still loading). `daemon_uid` (default: ours) is whose `match` hits count as ours;
+    `owner` is the daemon's KIMI_SERVE_OWNER value. Never raises for NVML trouble: the report
+    says it, with `wedged` set since retrying cannot help.
+    """
+    uid = os.getuid() if daemon_uid is None else daemon_uid
+    threshold = cfg.memory_free_threshold_mib * MiB
+    started = clock()
+
+    def classify_now(snaps: Sequence[GpuSnapshot], with_recorded: bool) -> list[Classified]:
+        ids = recorded if with_recorded else set()
+        pids = {p.pid for s in snaps for p in s.processes} | {i.pid for i in ids}
+        return classify(
+            snaps, facts(pids), current, ids, cfg.match, uid, owner=owner, threshold_bytes=threshold
+        )
+
+    try:
+        snaps = await _snapshot(nvml, cfg.devices)
+    except NvmlUnavailable as exc:
+        return CleanReport(ok=False, message=str(exc), wedged=[str(exc)], dry_run=dry_run)
+    found = classify_now(snaps, with_recorded=True)
+    report = CleanReport(
+        ok=False,
+        message="",
+        found=found,
+        foreign=[c for c in found if c.kind is Kind.FOREIGN],
+        before=gpu_status(snaps),
+        after=gpu_status(snaps),
+        dry_run=dry_run,
+    )
+    targets = [c for c in found if c.to_remove]
+    ours = {c.pid for c in found if c.ours and c.pid is not None and c.kind is not Kind.CURRENT}
+    removable = not dry_run and cfg.leftover_policy == "kill-matching"
+    for c in targets:
+        assert c.pid is not None
+        if dry_run:
+            report.actions[c.pid] = "dry run: would SIGTERM, then SIGKILL"
+        elif not removable:
+            report.actions[c.pid] = "left running (gpus.leftover_policy: report-only)"
+    t0 = started
+    if removable and targets:
+        t0 = clock()
+        report.actions.update(await _terminate(targets, term_grace, clock, poll))
+    if not dry_run:
+        for c in found:
+            if c.kind is Kind.ZOMBIE and c.ours and c.pid is not None:
+                report.actions[c.pid] = _reap(c)
+
+    signalled = [
+        c.identity
+        for c in targets
+        if c.identity is not None and report.actions.get(c.pid or 0, "").startswith("SIG")
+    ]
+    busy = _busy(snaps, threshold, ours)
+    if not dry_run:
+        # NVML has no event for "memory released": poll it (cheap, ~1 ms per GPU) against the
+        # deadline. On H200 the memory was free at the first sample after a kill, 0.23 s.
+        # Signalled leftovers that hold no GPU memory are waited for too, on the same deadline.
+        deadline = clock() + cfg.memory_free_timeout
+        while True:
+            try:
+                snaps = await _snapshot(nvml, cfg.devices)
+            except NvmlUnavailable as exc:
+                report.message, report.wedged = str(exc), [str(exc)]
+                return report
+            busy = _busy(snaps, threshold, ours)
+            if not busy and report.release_seconds is None:
+                report.release_seconds = clock() - t0
+            lingering = [i for i in signalled if live_process(i) is not None]
+            if (not busy and not lingering) or clock() >= deadline:
+                break
+            await asyncio.sleep(poll)
+        report.after = gpu_status(snaps)
+
+    for c in targets:
+        if c.identity is not None and c.identity in signalled:
+            gone = live_process(c.identity) is None
+            report.actions[c.identity.pid] += ": exited" if gone else ": still running"
+            for g in c.gpus if gone else ():
+                report.killed[g] = report.killed.get(g, 0) + 1
+
+    report.ok = not busy
+    waited = clock() - started
+    if busy:
+        holders = [c for c in classify_now(busy, with_recorded=True) if c.gpus]
+        report.wedged += [_wedged_line(c) for c in holders if c.kind in (Kind.WEDGED, Kind.STUCK)]
+        report.message = _busy_message(busy, holders, waited, cfg, report.wedged, dry_run)
+    else:
+        report.message = _ok_message(snaps, report, targets, dry_run)
+    return report
+
+
+def _busy_message(
+    busy: list[GpuSnapshot],
+    holders: list[Classified],
+    waited: float,
+    cfg: GpusConfig,
+    wedged: list[str],
+    dry_run: bool,
+) -> str:
+    first = busy[0]
+    on_first = sorted(
+        (c for c in holders if first.index in c.gpus),
+        key=lambda c: -(c.used_bytes or 0),
+    )
+    who = "; ".join(_holder(c) for c in on_first[:2]) or "no process listed by NVML"
+    after = "" if dry_run else f" after {waited:.1f}s"
+    msg = (
+        f"{_gpu_name(first)} still holds {_size(first.memory_used_bytes)}{after} "
+        f"(free means under {cfg.memory_free_threshold_mib} MiB): held by {who}"
+    )
+    if len(busy) > 1:
+        msg += f"; {len(busy) - 1} more GPU(s) busy: " + ", ".join(str(s.index) for s in busy[1:])
+    if wedged:
+        msg += "; GPU wedged: retrying cannot help, it needs a GPU reset or a reboot"
+    return ("dry run: " + msg) if dry_run else msg
+
+
+def _ok_message(
+    snaps: list[GpuSnapshot], report: CleanReport, targets: list[Classified], dry_run: bool
+) -> str:
+    gpus = ",".join(str(s.index) for s in snaps)
+    parts = [f"GPU {gpus} free" if len(snaps) == 1 else f"GPUs {gpus} free"]
+    if dry_run and targets:
+        parts.append(f"dry run: {len(targets)} leftover process(es) would be removed")
+    elif targets:
+        n = sum(1 for c in targets if report.actions.get(c.pid or 0, "").endswith(": exited"))
+        per_gpu = f" ({_per_gpu(report.killed)})" if report.killed else ""
+        parts.append(
+            f"removed {n} leftover process(es){per_gpu}, "
+            f"memory free after {report.release_seconds or 0:.2f}s"
+        )
+    elif not dry_run:
+        parts.append("no leftovers")
+    if report.foreign:
+        pids = ", ".join(str(c.pid) for c in report.foreign)
+        parts.append(f"{len(report.foreign)} foreign process(es) left alone (pid {pids})")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# `kimi-serve gpu-clean`
+# --------------------------------------------------------------------------------------------
+
+
+def owner_marker(state_dir: str) -> str:
+    """The KIMI_SERVE_OWNER value the daemon gives its launches (see daemon.py)."""
+    return str(Path(state_dir).resolve())
+
+
+def _daemon_uid(state_dir: str) -> int:
+    # The daemon's user owns its state directory (systemd's StateDirectory= chowns it to User=):
+    # an operator running gpu-clean as root must still treat only that user's processes as ours.
+    try:
+        return os.stat(state_dir).st_uid
+    except OSError:
+        return os.getuid()
+
+
+def _running_daemon(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        cmd = " ".join(proc.cmdline())
+        named = "kimi-serve" in cmd or "supervisor" in cmd
+        return named and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _print_gpus(out: TextIO, title: str, gpus: list[dict[str, Any]]) -> None:
+    out.write(f"{title}\n  {'GPU':<4} {'UUID':<42} {'USED':>10} {'TOTAL':>10}  PROCESSES\n")
+    for g in gpus:
+        pids = ",".join(str(p) for p in g["processes"]) or "-"
+        out.write(
+            f"  {g['index']:<4} {g['uuid']:<42} {_size(g['memory_used_bytes']):>10} "
+            f"{_size(g['memory_total_bytes']):>10}  {pids}\n"
+        )
+
+
+def _print_found(out: TextIO, report: CleanReport) -> None:
+    if not report.found:
+        out.write("Processes: none on the managed GPUs\n")
+        return
+    out.write(
+        f"Processes:\n  {'PID':<8}  {'GPU':<5}  {'MEMORY':>9}  {'KIND':<8}  {'ACTION':<38}  "
+        "USER  COMMAND / WHY\n"
+    )
+    for c in report.found:
+        pid = "-" if c.pid is None else str(c.pid)
+        gpus = ",".join(str(g) for g in c.gpus) or "-"
+        action = report.actions.get(c.pid, "-") if c.pid is not None else "-"
+        out.write(
+            f"  {pid:<8}  {gpus:<5}  {_size(c.used_bytes):>9}  {c.kind.value:<8}  "
+            f"{action:<38}  {c.user or '?'}  {_short(c.cmdline, 70) or '-'}  [{c.reason}]\n"
+        )
+
+
+def run_gpu_clean(cfg: Config, dry_run: bool, out: TextIO) -> int:
+    """The body of `kimi-serve gpu-clean`: 0 when the managed GPUs are free, else 1."""
+    if not cfg.gpus.manage:
+        out.write("GPU management is off (gpus.manage: false); nothing to do\n")
+        return 0
+    store = RecordStore(cfg.state_dir)
+    if store.path.exists() and not os.access(store.path, os.R_OK):
+        out.write(
+            f"warning: cannot read {store.path} (permission); recorded leftovers whose command "
+            "line does not match gpus.match will be missed: run as root or the daemon's user\n"
+        )
+    record = store.load()
+    recorded = set(record.processes) if record else set()
+    current: set[ProcessIdentity] = set()
+    if record and record.daemon_pid != os.getpid() and _running_daemon(record.daemon_pid):
+        out.write(
+            f"a kimi-serve daemon (pid {record.daemon_pid}) is running and owns the recorded "
+            "processes: reporting only; stop it first to clean\n"
+        )
+        current = recorded | set(descendants(record.daemon_pid))
+        recorded, dry_run = set(), True
+    uid = _daemon_uid(cfg.state_dir)
+    try:
+        nvml = open_nvml()
+    except NvmlUnavailable as exc:
+        out.write(f"error: {exc}\n")
+        return 1
+    try:
+        report = asyncio.run(
+            clean(
+                cfg.gpus,
+                nvml,
+                current=current,
+                recorded=recorded,
+                dry_run=dry_run,
+                daemon_uid=uid,
+                owner=owner_marker(cfg.state_dir),
+            )
+        )
+    finally:
+        nvml.close()
+    policy = "dry run" if dry_run else f"policy {cfg.gpus.leftover_policy}"
+    devices = "all" if cfg.gpus.devices == "all" else ",".join(map(str, cfg.gpus.devices))
+    out.write(
+        f"gpus.devices: {devices}; {policy}; processes of uid {uid} matching "
+        f"{list(cfg.gpus.match)} count as ours; {len(recorded)} recorded from earlier launches\n"
+    )
+    if report.before:
+        _print_gpus(out, "GPUs before:", report.before)
+    _print_found(out, report)
+    if report.after and not dry_run:
+        _print_gpus(out, "GPUs after:", report.after)
+    for w in report.wedged:
+        out.write(f"wedged: {w}\n")
+    out.write(("ok: " if report.ok else "not clean: ") + report.message + "\n")
+    return 0 if report.ok else 1

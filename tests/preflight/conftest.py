@@ -1,0 +1,95 @@
+"""Fixtures for preflight: the CPU-only SGLang environment and small configs around it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from supervisor.config import Config, parse
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_TIMEOUT = 900.0  # a fresh machine downloads ~1 GB; a built environment returns at once
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The first test that asks for the environment may pay for building it.
+    for item in items:
+        if "sglang_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT + 60))
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The interpreter of .sglang-venv (SGLang 0.5.23 on CPU torch), built if needed."""
+    if os.environ.get("KIMI_SERVE_SKIP_SGLANG_ENV") == "1":
+        pytest.skip(
+            "KIMI_SERVE_SKIP_SGLANG_ENV=1: SGLang's real parser is not available "
+            "(tools/sglang-cpu-env builds it; CI always does)"
+        )
+    proc = subprocess.run(
+        [str(REPO_ROOT / "tools" / "sglang-cpu-env")],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"tools/sglang-cpu-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def model_dir(path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+MakeConfig = Callable[..., Config]
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> MakeConfig:
+    """A config whose model paths exist and whose port is free; keyword arguments replace
+    `sglang` keys (`args` / `env` are merged), `profiles=` and `top=` add sections."""
+
+    def make(
+        *,
+        profiles: dict[str, Any] | None = None,
+        top: dict[str, Any] | None = None,
+        **sglang: Any,
+    ) -> Config:
+        base: dict[str, Any] = {
+            "python": "/nonexistent/python",
+            "module": "sglang.launch_server",
+            "model_path": model_dir(tmp_path / "model"),
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "args": {"tp-size": 1},
+            "env": {},
+        }
+        base["args"] = {**base["args"], **sglang.pop("args", {})}
+        base["env"] = {**base["env"], **sglang.pop("env", {})}
+        base.update(sglang)
+        doc: dict[str, Any] = {"sglang": base, "gpus": {"manage": False}, **(top or {})}
+        if profiles:
+            doc["profiles"] = profiles
+        path = tmp_path / "kimi-serve.yaml"
+        text = yaml.safe_dump(doc, sort_keys=False)
+        path.write_text(text)
+        return parse(text, str(path))
+
+    return make

@@ -1,0 +1,206 @@
+"""supervisor.cli: the `kimi-serve` command line as an operator meets it: help, usage errors,
+exit codes, print-command's production flags, and no traceback for bad input."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supervisor import __version__, cli
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTION = REPO / "etc" / "kimi-serve.yaml"
+BAD = Path(__file__).resolve().parent / "configs" / "bad" / "multiple-errors.yaml"
+KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
+
+# Every command, and words its --help must use to say what it is for.
+PURPOSE = {
+    "run": "run the daemon",
+    "check": "validate the config file",
+    "preflight": "host checks",
+    "print-command": "exact SGLang command line",
+    "probe": "readiness decode probe",
+    "gpu-clean": "leftover GPU processes",
+    "status": "running daemon for its state",
+    "demo": "SGLang stand-in",
+}
+
+PRODUCTION_FLAGS = [
+    ["--tp-size", "8"],
+    ["--speculative-algorithm", "EAGLE3"],
+    ["--speculative-draft-model-path", "/shared/kimi-k2.5-eagle3"],
+    ["--speculative-num-steps", "3"],
+    ["--speculative-eagle-topk", "1"],
+    ["--speculative-num-draft-tokens", "4"],
+    ["--attention-backend", "flashinfer"],
+    ["--flashinfer-allreduce-fusion-backend", "auto"],
+    ["--cuda-graph-max-bs-decode", "128"],
+    ["--reasoning-parser", "kimi_k2"],
+    ["--tool-call-parser", "kimi_k2"],
+    ["--enable-hierarchical-cache"],
+    ["--enable-metrics"],
+    ["--trust-remote-code"],
+    ["--port", "30000"],
+    ["--host", "127.0.0.1"],
+    ["--model-path", "/shared/kimi-k2.5-int4"],
+]
+
+
+def kimi_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    assert KIMI_SERVE.exists(), f"console script {KIMI_SERVE} missing: pip install -e '.[test]'"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KIMI_SERVE_CONFIG", "KIMI_SERVE_DEBUG", "NOTIFY_SOCKET")
+    }
+    done = subprocess.run(
+        [str(KIMI_SERVE), *args], capture_output=True, text=True, env=env, timeout=60, cwd=REPO
+    )
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    return done
+
+
+def free_port() -> int:
+    # Bound and closed: nothing listens there afterwards, so a connect is refused.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def contains_run(argv: list[str], run: list[str]) -> bool:
+    return any(argv[i : i + len(run)] == run for i in range(len(argv) - len(run) + 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Help and usage
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_contract_command_exists() -> None:
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if a.dest == "command"]
+    assert set(sub.choices) == set(PURPOSE)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("command", PURPOSE)
+def test_command_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert out.startswith(f"usage: kimi-serve {command}")
+    assert PURPOSE[command] in out
+    if command != "demo":
+        assert "--config FILE" in out
+
+
+def test_top_level_help_lists_every_command() -> None:
+    done = kimi_serve("--help")
+    assert done.returncode == 0
+    for command in PURPOSE:
+        assert command in done.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    done = kimi_serve()
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: kimi-serve")
+    assert "the following arguments are required: COMMAND" in done.stderr
+    assert done.stdout == ""
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    done = kimi_serve("restart-everything")
+    assert done.returncode == 2
+    assert "invalid choice: 'restart-everything'" in done.stderr
+
+
+def test_version() -> None:
+    done = kimi_serve("--version")
+    assert (done.returncode, done.stdout) == (0, f"kimi-serve {__version__}\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad config: 78 from every command that reads one
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", ["run", "check", "preflight", "print-command", "probe", "gpu-clean", "status"]
+)
+def test_bad_config_exits_78_from_every_command(command: str) -> None:
+    done = kimi_serve(command, "--config", str(BAD))
+    assert done.returncode == cli.EX_CONFIG, done.stderr
+    assert f"{BAD}:9: sglang.port: 70000 is out of range" in done.stderr
+    assert len(done.stderr.splitlines()) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# print-command
+# --------------------------------------------------------------------------------------------
+
+
+def test_print_command_shows_every_production_flag() -> None:
+    done = kimi_serve("print-command", "--config", str(PRODUCTION))
+    assert done.returncode == 0, done.stderr
+    first, *env = done.stdout.splitlines()
+    argv = shlex.split(first)
+    assert argv[:3] == ["/opt/sglang/venv/bin/python", "-m", "sglang.launch_server"]
+    for run in PRODUCTION_FLAGS:
+        assert contains_run(argv, run), f"{run} not in {first}"
+    assert env == ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1"]
+
+
+def test_print_command_fallback_has_no_speculative_flags() -> None:
+    done = kimi_serve("print-command", "--config", str(PRODUCTION), "--profile", "fallback")
+    assert done.returncode == 0, done.stderr
+    argv = shlex.split(done.stdout.splitlines()[0])
+    assert not [t for t in argv if t.startswith("--speculative")]
+    assert "EAGLE3" not in argv
+    for run in PRODUCTION_FLAGS:
+        if not run[0].startswith("--speculative"):
+            assert contains_run(argv, run), f"{run} not in fallback"
+
+
+def test_print_command_unknown_profile_exits_78() -> None:
+    done = kimi_serve("print-command", "--config", str(PRODUCTION), "--profile", "fastest")
+    assert done.returncode == cli.EX_CONFIG
+    assert done.stdout == ""
+    assert str(PRODUCTION) in done.stderr
+    assert "'fastest' is not defined" in done.stderr
+    assert "primary, fallback" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Commands that talk to a server or the daemon
+# --------------------------------------------------------------------------------------------
+
+
+def test_status_unreachable_daemon_exits_4(tmp_path: Path) -> None:
+    port = free_port()
+    doc = yaml.safe_load(PRODUCTION.read_text())
+    doc["admin"]["listen"] = f"127.0.0.1:{port}"
+    cfg = tmp_path / "kimi-serve.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    for extra in ([], ["--json"]):
+        done = kimi_serve("status", "--config", str(cfg), *extra)
+        assert done.returncode == 4, done.stderr
+        assert done.stdout == ""
+        assert f"cannot reach the daemon at http://127.0.0.1:{port}" in done.stderr
+
+
+def test_probe_against_nothing_exits_1_with_a_readable_verdict() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = kimi_serve("probe", "--config", str(PRODUCTION), "--url", url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith(f"probe {url} (generate): FAILED (connect)")
+    assert "cannot connect" in done.stdout
+    assert "internal error" not in done.stderr
