@@ -120,6 +120,7 @@ class Daemon:
         self._launch_tasks: list[asyncio.Task[Any]] = []
         self._stopping: asyncio.Task[Any] | None = None
         self._exit_code: int | None = None
+        self._internal_error = False
         self._since_unix = time.time()
         self._ever_ready = False
         self._beat = clock()
@@ -190,6 +191,10 @@ class Daemon:
                 return self._fatal(
                     f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}", 1
                 )
+        if self.nvml is not None:
+            # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
+            for g in self._gpu_status():
+                self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
         gpu_count = self._gpu_count if self.nvml is not None else None
         checks, code = await asyncio.to_thread(preflight.startup_checks, self.cfg, gpu_count)
         for check in preflight.failures(checks):
@@ -250,8 +255,8 @@ class Daemon:
             exc = task.exception()
             self.log.error("internal task failed", error=repr(exc), exc_info=exc)
             # A broken effect must not leave the machine waiting forever: stop cleanly.
+            self._internal_error = True
             self.queue.put_nowait(StopRequested("internal-error"))
-            self._exit_code_after_stop = 1
 
     # ============================================================ the loop
 
@@ -297,7 +302,7 @@ class Daemon:
             case CheckIntent():
                 self._spawn(self._check_intent(action))
             case Exit():
-                self._exit_code = getattr(self, "_exit_code_after_stop", action.code)
+                self._exit_code = 1 if self._internal_error else action.code
 
     def _set_timer(self, action: SetTimer) -> None:
         old = self._timers.pop(action.name, None)
@@ -314,6 +319,9 @@ class Daemon:
         if t.old is not t.new:
             self._since_unix = now_unix
             self.metrics.set_state(t.new, now_unix)
+        launched_at = self.machine.ctx.launched_at
+        if t.new is State.READY and t.old is State.WARMING and launched_at is not None:
+            self.metrics.last_load.set(self.clock() - launched_at)
         self.events.append(
             {
                 "at": now_unix,
@@ -365,6 +373,10 @@ class Daemon:
         self.store.clear()
         # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
         spec = command.build(self.cfg, self.machine.ctx.profile)
+        if self.nvml is not None:
+            # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
+            for g in self._gpu_status():
+                self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
         gpu_count = self._gpu_count if self.nvml is not None else None
         problems = preflight.failures(preflight.host_checks(self.cfg, [spec], gpu_count))
         if problems:

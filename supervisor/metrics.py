@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from supervisor import __version__
 from supervisor.logscan import Stream
 from supervisor.machine import ProbeKind, Reason, State
+from supervisor.probe import FAILURE_REASONS
 
 # Decode probes: tens of ms on an idle H200 with EAGLE, up to the 30 s timeout under load.
 PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -145,6 +146,8 @@ class Metrics:
         for kind in ProbeKind:
             for outcome in ("ok", "failed"):
                 self.probe_duration.labels(kind.value, outcome)
+            for reason in FAILURE_REASONS:
+                self.probe_failures.labels(kind.value, reason)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
 

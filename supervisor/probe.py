@@ -25,6 +25,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.config import ProbeConfig
 
 MAX_BODY_BYTES = 1 << 20  # a probe answer is a few hundred bytes; more is not a probe answer
+# Every `reason` a failed probe can carry (the label of kimi_serve_probe_failures_total).
+FAILURE_REASONS = (
+    "connect",
+    "connection_lost",
+    "timeout",
+    "http_status",
+    "malformed",
+    "too_few_tokens",
+    "no_speculation",
+    "unexpected_text",
+)
 
 
 @dataclass(frozen=True)

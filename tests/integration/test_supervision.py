@@ -105,7 +105,10 @@ def test_busy_server_is_not_restarted(tmp_path: Path) -> None:
     cfg = base_config(
         tmp_path,
         sglang=fault(
-            "slow-decode", STANDIN_SLOW_DECODE_SECONDS="30", STANDIN_HANG_AFTER_DECODES="1"
+            "slow-decode",
+            launch=None,
+            STANDIN_SLOW_DECODE_SECONDS="30",
+            STANDIN_SLOW_AFTER_DECODES="1",
         ),
     )
     with running(tmp_path, cfg) as d:

@@ -1,0 +1,317 @@
+"""The HTTP endpoints, with SGLang's paths and response schemas.
+
+Sources: sglang/srt/entrypoints/http_server.py (routes, health, info endpoints),
+sglang/srt/managers/tokenizer_manager.py (`_handle_batch_output`: the /generate `meta_info`),
+sglang/srt/entrypoints/openai/protocol.py and serving_chat.py (chat completion schema).
+Streaming (`"stream": true`) and batched prompts are not imitated and answer 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from supervisor.standin import metrics
+from supervisor.standin.engine import EOS_TOKEN_ID, DecodeError, Engine, Result, token_id
+
+VERSION = "0.5.23-standin"
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's sampling-params default
+CONTEXT_LEN = 262144
+MAX_TOTAL_NUM_TOKENS = 1048576
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.json_response(payload, status=status)
+
+
+async def _send(request: web.Request, payload: Any, status: int = 200) -> web.Response:
+    """Write the whole response now, so a request only leaves `open_requests` (what a
+    SIGTERM drain waits for) once its answer is on the wire."""
+    response = _json(payload, status)
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client went away; nothing left to answer
+    return response
+
+
+def _int_field(value: Any, name: str, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def _generate_meta(result: Result) -> dict[str, Any]:
+    n = result.completion_tokens
+    finish: dict[str, Any] = (
+        {"type": "stop", "matched": EOS_TOKEN_ID}
+        if result.stopped
+        else {"type": "length", "length": n}
+    )
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": finish,
+        "prompt_tokens": result.prompt_tokens,
+        "weight_version": "default",
+        "total_retractions": 0,
+        "completion_tokens": n,
+        "cached_tokens": 0,
+    }
+    if result.spec is not None:
+        spec = result.spec
+        meta |= {"spec_accept_rate": 0.0, "spec_accept_length": 0, "spec_verify_ct": 0}
+        if spec.verify_ct:
+            meta |= {
+                "spec_accept_rate": spec.accept_rate,
+                "spec_accept_length": spec.accept_length,
+                "spec_accept_token_num": spec.accepted_tokens,
+                "spec_draft_token_num": spec.draft_tokens,
+                "spec_verify_ct": spec.verify_ct,
+            }
+    meta["e2e_latency"] = result.e2e_latency
+    return meta
+
+
+class Api:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.args = engine.args
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._access_log, self._bad_requests])
+        r = app.router
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        r.add_get("/ready", self.ready)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/v1/models", self.models)
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        r.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    @web.middleware
+    async def _access_log(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """uvicorn's access line, written when the response starts (never for a hung one)."""
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "-"
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            self.engine.log.access(where, request.method, request.path_qs, exc.status, exc.reason)
+            raise
+        self.engine.log.access(
+            where, request.method, request.path_qs, response.status, response.reason
+        )
+        return response
+
+    @web.middleware
+    async def _bad_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            # http_server._create_error_response
+            return _json({"error": {"message": str(exc)}}, status=400)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as exc:
+            raise BadRequest(f"request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by the SGLang stand-in")
+        return body
+
+    # -- health and info ------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=await self.engine.health())
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.ready else 503)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        return _json(
+            {
+                **self.args.as_dict(),
+                "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
+                "max_req_input_len": CONTEXT_LEN - 1,
+                "internal_states": [
+                    {
+                        "avg_spec_accept_length": engine.avg_spec_accept_length,
+                        "last_gen_throughput": engine.gen_throughput,
+                    }
+                ],
+                "version": VERSION,
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_path": self.args.model_path,
+                "tokenizer_path": self.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "kimi_k2",
+                "architectures": ["DeepseekV3ForCausalLM"],
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=metrics.render(self.engine).encode(),
+            headers={"Content-Type": metrics.CONTENT_TYPE},
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.args.model_name
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "sglang",
+                        "root": name,
+                        "max_model_len": CONTEXT_LEN,
+                    }
+                ],
+            }
+        )
+
+    # -- decoding -------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, str):
+            prompt, prompt_tokens = text, max(1, len(text.split()))
+        elif isinstance(input_ids, list) and all(isinstance(i, int) for i in input_ids):
+            prompt, prompt_tokens = "", max(1, len(input_ids))
+        else:
+            raise BadRequest(
+                "Either text or input_ids should be provided (one prompt, not a batch)."
+            )
+        sampling = body.get("sampling_params") or {}
+        if not isinstance(sampling, dict):
+            raise BadRequest("sampling_params must be an object")
+        max_new = _int_field(
+            sampling.get("max_new_tokens"), "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
+        )
+        with self.engine.request() as rid:
+            try:
+                result = await self.engine.decode(rid, prompt, prompt_tokens, max_new)
+            except DecodeError as exc:
+                return await _send(request, {"error": {"message": str(exc)}}, status=500)
+            return await _send(
+                request,
+                {
+                    "text": "".join(f" {w}" for w in result.words),
+                    "output_ids": [token_id(w) for w in result.words],
+                    "meta_info": _generate_meta(result),
+                },
+            )
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        texts = [_message_text(m.get("content")) for m in messages if isinstance(m, dict)]
+        users = [
+            _message_text(m.get("content"))
+            for m in messages
+            if isinstance(m, dict) and m.get("role") == "user"
+        ]
+        # The chat template adds a few tokens per message.
+        prompt_tokens = sum(len(t.split()) for t in texts) + 3 * len(texts) + 2
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_new = _int_field(max_tokens, "max_tokens", DEFAULT_MAX_NEW_TOKENS)
+        prompt = users[-1] if users else ""
+        with self.engine.request() as rid:
+            try:
+                result = await self.engine.decode(rid, prompt, prompt_tokens, max_new)
+            except DecodeError as exc:
+                error = {
+                    "object": "error",
+                    "message": str(exc),
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+                return await _send(request, error, status=500)
+            return await _send(request, self._chat_response(body, result))
+
+    def _chat_response(self, body: dict[str, Any], result: Result) -> dict[str, Any]:
+        text = "".join(f" {w}" for w in result.words)
+        content: str | None = text
+        reasoning: str | None = None
+        # With a reasoning parser (e.g. kimi_k2) an answer cut off by max_tokens while the
+        # model is still thinking lands entirely in reasoning_content: judge a probe by
+        # usage.completion_tokens, not by content.
+        if self.args.recorded.get("reasoning_parser") and result.words:
+            content, reasoning = None, text
+        n = result.completion_tokens
+        return {
+            "id": uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.args.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": content,
+                        "reasoning_content": reasoning,
+                        "tool_calls": None,
+                    },
+                    "logprobs": None,
+                    "finish_reason": "stop" if result.stopped else "length",
+                    "matched_stop": EOS_TOKEN_ID if result.stopped else None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": result.prompt_tokens,
+                "total_tokens": result.prompt_tokens + n,
+                "completion_tokens": n,
+                "prompt_tokens_details": None,
+                "reasoning_tokens": n if reasoning is not None else 0,
+            },
+            "metadata": {"weight_version": "default"},
+        }
