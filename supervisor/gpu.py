@@ -34,6 +34,7 @@ import psutil
 
 from supervisor.config import Config, GpusConfig
 from supervisor.identity import (
+    OWNER_ENV,
     ProcessIdentity,
     RecordStore,
     descendants,
@@ -41,7 +42,6 @@ from supervisor.identity import (
     live_process,
     signal_identity,
 )
-from supervisor.identity import OWNER_ENV
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -146,8 +146,8 @@ class Metrics:
         for kind in ProbeKind:
             for outcome in ("ok", "failed"):
                 self.probe_duration.labels(kind.value, outcome)
-            for reason in FAILURE_REASONS:
-                self.probe_failures.labels(kind.value, reason)
+            for failure in FAILURE_REASONS:
+                self.probe_failures.labels(kind.value, failure)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
 
