@@ -183,11 +183,11 @@ class Daemon:
                 1,
             )
         if self.cfg.gpus.manage:
-            from supervisor import gpu
+            from supervisor.nvml import NvmlUnavailable, open_nvml
 
             try:
-                self.nvml = gpu.open_nvml()
-            except gpu.NvmlUnavailable as exc:
+                self.nvml = open_nvml()
+            except NvmlUnavailable as exc:
                 return self._fatal(
                     f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}", 1
                 )
@@ -215,9 +215,9 @@ class Daemon:
         return None
 
     def _gpu_count(self) -> int:
-        from supervisor import gpu
+        from supervisor.nvml import select
 
-        return len(gpu.select(self.nvml.snapshot(), self.cfg.gpus.devices))
+        return len(select(self.nvml.snapshot(), self.cfg.gpus.devices))
 
     def _fatal(self, message: str, code: int) -> int:
         self.log.error(message)
@@ -716,11 +716,11 @@ class Daemon:
         at, cached = self._gpus_cache
         if self.clock() - at < 2.0 and cached:
             return cached
-        from supervisor import gpu
+        from supervisor.nvml import gpu_status, select
 
         try:
-            snaps = gpu.select(self.nvml.snapshot(), self.cfg.gpus.devices)
-            cached = gpu.gpu_status(snaps)
+            snaps = select(self.nvml.snapshot(), self.cfg.gpus.devices)
+            cached = gpu_status(snaps)
         except Exception as exc:  # a lost GPU must not break /status or /metrics
             self.log.warning("gpu snapshot failed", error=str(exc))
             cached = []

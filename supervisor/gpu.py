@@ -1,10 +1,8 @@
 """GPU hygiene: find the processes on our GPUs, remove our leftovers, wait until memory is free.
 
-Three layers, in the order a reader meets them:
+Two layers over NVML (`supervisor.nvml`, which says what is on each GPU), in the order a reader
+meets them:
 
-- NVML behind a two-method interface (`Nvml`): the real one over nvidia-ml-py, a simulated one
-  (`gpu_sim`) for machines with no GPU. GPUs are keyed by UUID: indexes shift with
-  `CUDA_VISIBLE_DEVICES`, UUIDs do not (sglang-facts.md).
 - `classify()`: pure. From NVML's view, each process's psutil facts and what this daemon launched
   it decides what every process on our GPUs is. Only our own leftovers are ever signalled.
 - `clean()`: the effects. SIGTERM, grace, SIGKILL, each signal preceded by a (pid, create time)
@@ -20,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import os
 import signal
 import time
@@ -28,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 import psutil
 
@@ -42,213 +39,21 @@ from supervisor.identity import (
     live_process,
     signal_identity,
 )
+from supervisor.nvml import (
+    GiB,
+    GpuSnapshot,
+    MiB,
+    Nvml,
+    NvmlUnavailable,
+    gpu_status,
+    open_nvml,
+    select,
+)
 
-MiB = 1 << 20
-GiB = 1 << 30
 # Two psutil reads of one process's create time agree far better than this (identity.py).
 _SAME_START = 0.05
 # An NVML call that takes longer than this means a hung driver or GPU; nvidia-smi hangs too.
 NVML_CALL_TIMEOUT = 10.0
-
-
-# --------------------------------------------------------------------------------------------
-# NVML
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    pid: int  # a host pid, also inside containers (sglang-facts.md)
-    used_bytes: int | None  # None: the driver does not say (e.g. without permission)
-
-
-@dataclass(frozen=True)
-class GpuSnapshot:
-    index: int  # NVML's index, which ignores CUDA_VISIBLE_DEVICES
-    uuid: str
-    name: str
-    memory_used_bytes: int
-    memory_total_bytes: int
-    processes: tuple[GpuProcess, ...]
-
-
-class NvmlUnavailable(Exception):
-    """NVML cannot answer: no driver, no permission, a GPU lost. The message says what to do."""
-
-
-class UnknownDevice(NvmlUnavailable):
-    """`gpus.devices` names a GPU this host does not have."""
-
-
-class Nvml(Protocol):
-    def snapshot(self) -> list[GpuSnapshot]: ...
-
-    def close(self) -> None: ...
-
-
-# nvmlReturn_t values (nvml.h) that deserve their own advice.
-_NO_PERMISSION = 4
-_DRIVER_NOT_LOADED = 9
-_LIBRARY_NOT_FOUND = 12
-_FUNCTION_NOT_FOUND = 13
-_GPU_IS_LOST = 15
-_LIB_RM_VERSION_MISMATCH = 18
-_ARGUMENT_VERSION_MISMATCH = 25
-_OFF = "or set gpus.manage: false on a machine without NVIDIA GPUs"
-
-
-def _advice(exc: Exception, gpu: int | None) -> str:
-    code = getattr(exc, "value", None)
-    where = f"GPU {gpu}: " if gpu is not None else ""
-    if code == _LIBRARY_NOT_FOUND:
-        return (
-            "NVML is not available: the NVIDIA driver library libnvidia-ml.so.1 was not found; "
-            f"install the NVIDIA driver, {_OFF}"
-        )
-    if code == _DRIVER_NOT_LOADED:
-        return f"NVML is not available: the NVIDIA kernel driver is not loaded; load it, {_OFF}"
-    if code == _NO_PERMISSION:
-        return (
-            f"{where}NVML says permission denied: user uid {os.getuid()} cannot use the GPUs "
-            f"(/dev/nvidia*); run kimi-serve as a user with GPU access, {_OFF}"
-        )
-    if code == _GPU_IS_LOST:
-        return (
-            f"{where}the GPU is lost (fell off the bus, see dmesg for Xid 79); "
-            "it needs a GPU reset or a reboot before anything can run on it"
-        )
-    if code == _LIB_RM_VERSION_MISMATCH:
-        return (
-            "NVML is not available: the NVIDIA driver library and kernel module versions differ "
-            "(driver upgraded without a reboot); reboot the host"
-        )
-    return f"{where}NVML error: {exc}"
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class PynvmlNvml:
-    """The real NVML through nvidia-ml-py. Open once per process; `close()` at exit.
-
-    `lib` is the pynvml module; a test passes a stand-in to reach the error paths.
-    """
-
-    def __init__(self, lib: Any = None) -> None:
-        self._lib = lib if lib is not None else importlib.import_module("pynvml")
-        lib = self._lib
-        self._memory_v2 = hasattr(lib, "nvmlMemory_v2")
-        try:
-            lib.nvmlInit()
-        except lib.NVMLError as exc:
-            raise NvmlUnavailable(_advice(exc, None)) from None
-        self._open = True
-
-    def _memory(self, handle: object) -> tuple[int, int]:
-        lib = self._lib
-        if self._memory_v2:
-            # v1's `used` counts driver-reserved memory since R510: an empty H200 would look
-            # busy against a small threshold. v2 reports it apart (sglang-facts.md).
-            try:
-                mem = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
-                return int(mem.used), int(mem.total)
-            except lib.NVMLError as exc:
-                if getattr(exc, "value", None) not in (
-                    _FUNCTION_NOT_FOUND,
-                    _ARGUMENT_VERSION_MISMATCH,
-                ):
-                    raise
-                self._memory_v2 = False
-        mem = lib.nvmlDeviceGetMemoryInfo(handle)
-        return int(mem.used), int(mem.total)
-
-    def snapshot(self) -> list[GpuSnapshot]:
-        lib = self._lib
-        out = []
-        index: int | None = None
-        try:
-            for index in range(lib.nvmlDeviceGetCount()):
-                handle = lib.nvmlDeviceGetHandleByIndex(index)
-                used, total = self._memory(handle)
-                procs = tuple(
-                    GpuProcess(
-                        int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)
-                    )
-                    for p in lib.nvmlDeviceGetComputeRunningProcesses(handle)
-                )
-                out.append(
-                    GpuSnapshot(
-                        index=index,
-                        uuid=_text(lib.nvmlDeviceGetUUID(handle)),
-                        name=_text(lib.nvmlDeviceGetName(handle)),
-                        memory_used_bytes=used,
-                        memory_total_bytes=total,
-                        processes=procs,
-                    )
-                )
-        except lib.NVMLError as exc:
-            raise NvmlUnavailable(_advice(exc, index)) from None
-        return out
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            with contextlib.suppress(self._lib.NVMLError):
-                self._lib.nvmlShutdown()
-
-
-def open_nvml() -> Nvml:
-    """The host's NVML, or the simulation when KIMI_SERVE_SIMULATED_GPUS is set.
-
-    Raises NvmlUnavailable with an operator-readable message.
-    """
-    from supervisor import gpu_sim
-
-    if os.environ.get(gpu_sim.ENV_GPUS):
-        return gpu_sim.SimulatedNvml.from_env(os.environ)
-    return PynvmlNvml()
-
-
-def select(
-    snapshots: Sequence[GpuSnapshot], devices: str | tuple[int | str, ...]
-) -> list[GpuSnapshot]:
-    """The managed GPUs (`gpus.devices`: "all", indexes or UUIDs). Raises UnknownDevice."""
-    if devices == "all":
-        return sorted(snapshots, key=lambda s: s.index)
-    by_index = {s.index: s for s in snapshots}
-    by_uuid = {s.uuid.lower(): s for s in snapshots}
-    out: list[GpuSnapshot] = []
-    missing: list[str] = []
-    for dev in devices:
-        snap = by_index.get(dev) if isinstance(dev, int) else by_uuid.get(dev.lower())
-        if snap is None:
-            missing.append(str(dev))
-        elif snap not in out:
-            out.append(snap)
-    if missing:
-        have = ", ".join(f"{s.index} ({s.uuid})" for s in sorted(snapshots, key=lambda s: s.index))
-        raise UnknownDevice(
-            f"gpus.devices names {', '.join(missing)}, which NVML does not list on this host "
-            f"(it has: {have or 'no GPUs'}); fix gpus.devices (NVML indexes ignore "
-            "CUDA_VISIBLE_DEVICES; `nvidia-smi -L` lists indexes and UUIDs)"
-        )
-    return out
-
-
-def gpu_status(snapshots: Iterable[GpuSnapshot]) -> list[dict[str, Any]]:
-    """The admin /status `gpus` list (and the per-GPU metrics)."""
-    return [
-        {
-            "index": s.index,
-            "uuid": s.uuid,
-            "name": s.name,
-            "memory_used_bytes": s.memory_used_bytes,
-            "memory_total_bytes": s.memory_total_bytes,
-            "processes": [p.pid for p in s.processes],
-        }
-        for s in snapshots
-    ]
 
 
 # --------------------------------------------------------------------------------------------

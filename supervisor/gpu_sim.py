@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from supervisor.gpu import GpuProcess, GpuSnapshot, MiB, NvmlUnavailable
+from supervisor.nvml import GpuProcess, GpuSnapshot, MiB, NvmlUnavailable
 
 ENV_GPUS = "KIMI_SERVE_SIMULATED_GPUS"
 ENV_MIB = "KIMI_SERVE_SIMULATED_GPU_MIB"

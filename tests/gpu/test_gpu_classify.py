@@ -6,18 +6,16 @@ import json
 
 import pytest
 
-from supervisor.gpu import (
+from supervisor.gpu import Kind, ProcFacts, classify
+from supervisor.identity import ProcessIdentity
+from supervisor.nvml import (
     GiB,
     GpuProcess,
     GpuSnapshot,
-    Kind,
-    ProcFacts,
     UnknownDevice,
-    classify,
     gpu_status,
     select,
 )
-from supervisor.identity import ProcessIdentity
 
 ME = 1000
 OTHER = 1001

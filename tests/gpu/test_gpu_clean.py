@@ -14,16 +14,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
-from supervisor.gpu import (
-    GpuSnapshot,
-    Kind,
-    NvmlUnavailable,
-    ProcFacts,
-    clean,
-    gather_facts,
-)
+from supervisor.gpu import Kind, ProcFacts, clean, gather_facts
 from supervisor.gpu_sim import SimulatedNvml, simulated_uuid
 from supervisor.identity import ProcessIdentity, live_process
+from supervisor.nvml import GpuSnapshot, NvmlUnavailable
 from tests.gpu.gpu_helpers import Procs, gpus_cfg
 
 FAST = {"term_grace": 0.5, "poll": 0.02}

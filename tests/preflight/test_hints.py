@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.preflight import (
-    EX_CONFIG,
+from supervisor.preflight import EX_CONFIG, Check, exit_code, failures, summary
+from supervisor.sglang import (
     KNOWN_FLAGS,
-    Check,
     abbreviations,
     error_flags,
-    exit_code,
-    failures,
     flag_values,
     known_changes,
     rejection_hint,
-    summary,
 )
 
 AMBIGUOUS = (
@@ -29,20 +25,38 @@ INVALID_CHOICE = (
     "argument --reasoning-parser: invalid choice: 'kimi-k2' (choose from 'auto', 'deepseek-r1', "
     "'kimi', 'kimi_k2', 'kimi_k3', 'qwen3')"
 )
-OPTIONS = ["--enable-metrics", "--enable-mis", "--tp-size", "--disable-overlap-schedule",
-           "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--model-path"]
+OPTIONS = [
+    "--enable-metrics",
+    "--enable-mis",
+    "--tp-size",
+    "--disable-overlap-schedule",
+    "--cuda-graph-max-bs-decode",
+    "--cuda-graph-max-bs-prefill",
+    "--model-path",
+]
 
 
 def test_flag_values_reads_both_spellings_and_bare_flags() -> None:
     argv = ["--tp-size", "8", "--enable-metrics", "--x=1", "--nargs", "a", "b", "--last"]
     assert flag_values(argv) == [
-        ("tp-size", "8"), ("enable-metrics", None), ("x", "1"), ("nargs", "a"), ("last", None),
+        ("tp-size", "8"),
+        ("enable-metrics", None),
+        ("x", "1"),
+        ("nargs", "a"),
+        ("last", None),
     ]
 
 
 def test_known_changes_finds_flags_and_values_once() -> None:
-    argv = ["--cuda-graph-max-bs", "128", "--tool-call-parser", "qwen25",
-            "--cuda-graph-max-bs=64", "--attention-backend", "flashinfer"]
+    argv = [
+        "--cuda-graph-max-bs",
+        "128",
+        "--tool-call-parser",
+        "qwen25",
+        "--cuda-graph-max-bs=64",
+        "--attention-backend",
+        "flashinfer",
+    ]
     found = known_changes(argv)
     assert [c.what for c in found] == ["--cuda-graph-max-bs", "--tool-call-parser qwen25"]
     assert found[0].rejected and not found[1].rejected
@@ -54,8 +68,10 @@ def test_the_incident_flag_hint_names_both_replacements() -> None:
 
 
 def test_an_ambiguous_flag_not_in_the_table_gets_sglangs_candidates() -> None:
-    error = "ambiguous option: --speculative-draft could match --speculative-draft-model-path, " \
+    error = (
+        "ambiguous option: --speculative-draft could match --speculative-draft-model-path, "
         "--speculative-draft-model-revision"
+    )
     hint = rejection_hint(error, OPTIONS)
     assert "write the full name" in hint and "--speculative-draft-model-path" in hint
 
@@ -63,16 +79,20 @@ def test_an_ambiguous_flag_not_in_the_table_gets_sglangs_candidates() -> None:
 def test_unrecognized_flags_get_table_hints_or_a_guess() -> None:
     error = "unrecognized arguments: --enable-metrix --enable-ep-moe --frobnicate 3"
     hint = rejection_hint(error, OPTIONS).splitlines()
-    assert hint[0] == "--enable-metrix: not a flag of this SGLang; did you mean " \
+    assert (
+        hint[0] == "--enable-metrix: not a flag of this SGLang; did you mean "
         "--enable-metrics or --enable-mis?"
+    )
     assert hint[1] == "--enable-ep-moe: removed: write ep-size: N with the same N as tp-size"
     assert hint[2].startswith("--frobnicate: not a flag of this SGLang; it was removed")
 
 
 def test_an_invalid_choice_gets_the_closest_choice() -> None:
     hint = rejection_hint(INVALID_CHOICE, OPTIONS)
-    assert hint == "--reasoning-parser 'kimi-k2' is not a choice of this SGLang; " \
+    assert (
+        hint == "--reasoning-parser 'kimi-k2' is not a choice of this SGLang; "
         "did you mean 'kimi_k2'?"
+    )
 
 
 def test_an_invalid_choice_that_was_renamed_gets_the_table_hint() -> None:
@@ -90,8 +110,10 @@ def test_a_wrong_type_says_which() -> None:
     [
         (AMBIGUOUS, ["--cuda-graph-max-bs"]),
         ("unrecognized arguments: --a 1 --b=2", ["--a", "--b"]),
-        ("argument --tp-size/--tensor-parallel-size: invalid int value: 'x'", ["--tp-size",
-                                                                             "--tensor-parallel-size"]),
+        (
+            "argument --tp-size/--tensor-parallel-size: invalid int value: 'x'",
+            ["--tp-size", "--tensor-parallel-size"],
+        ),
         ("the following arguments are required: --model-path", []),
     ],
 )
@@ -133,8 +155,10 @@ def test_summary_puts_config_problems_first_and_fits_one_line() -> None:
     assert line.endswith("| hint: do this then that")
     assert "\n" not in line
     assert len(summary([check("x" * 1000, False)], limit=100)) == 100
-    assert summary([check("a", True), check("b", True, warning=True)]) == \
-        "preflight ok (2 checks, 1 warning(s): b)"
+    assert (
+        summary([check("a", True), check("b", True, warning=True)])
+        == "preflight ok (2 checks, 1 warning(s): b)"
+    )
     assert [c.name for c in failures(checks, "host")] == ["port"]
 
 

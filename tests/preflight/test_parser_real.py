@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from supervisor import preflight
+from supervisor import preflight, sglang
 from supervisor.command import build
 from supervisor.config import load
-from supervisor.preflight import EX_CONFIG, Check, run_checks, run_sglang_parser
+from supervisor.preflight import EX_CONFIG, Check, run_checks
+from supervisor.sglang import run_sglang_parser
 
 from .conftest import REPO_ROOT, MakeConfig, model_dir
 
@@ -198,9 +199,9 @@ def test_an_interpreter_without_sglang_is_a_config_problem(make_config: MakeConf
 
 
 def test_sglang_version(sglang_python: str) -> None:
-    assert preflight.sglang_version(sglang_python) == "0.5.23"
-    assert preflight.sglang_version(sys.executable) is None
-    assert preflight.sglang_version("/nonexistent/python") is None
+    assert sglang.sglang_version(sglang_python) == "0.5.23"
+    assert sglang.sglang_version(sys.executable) is None
+    assert sglang.sglang_version("/nonexistent/python") is None
 
 
 def test_sglang_version_for_config(sglang_python: str, make_config: MakeConfig) -> None:
