@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from supervisor import __version__, command, log, preflight
+from supervisor import __version__, admin, command, log, preflight
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.identity import LaunchRecord, RecordStore
@@ -146,11 +146,12 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.queue.put_nowait, _Reload())
         shutdown_admin: Callable[[], Any] | None = None
         try:
+            # Started first: preflight runs SGLang's parser (seconds, up to minutes on a cold
+            # disk) and systemd's start timeout must be extended meanwhile.
+            self._spawn(self._ticker())
             code = await self._prepare()
             if code is not None:
                 return code
-            from supervisor import admin
-
             try:
                 shutdown_admin = await admin.start(self, self.cfg.admin.host, self.cfg.admin.port)
             except OSError as exc:
@@ -161,7 +162,6 @@ class Daemon:
                 )
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
             self.metrics.set_profile(self.machine.ctx.profile, self.cfg.profile_names)
-            self._spawn(self._ticker())
             self.queue.put_nowait(Start())
             while self._exit_code is None:
                 self._dispatch(await self.queue.get())
@@ -620,7 +620,8 @@ class Daemon:
     # ============================================================ reload
 
     def _reload(self) -> None:
-        self.notifier.reloading()
+        if self._ever_ready:
+            self.notifier.reloading()
         try:
             new = config_mod.load(self.cfg.path)
         except ConfigError as exc:
@@ -628,11 +629,11 @@ class Daemon:
                 "reload refused: keeping the running configuration",
                 errors=exc.render().splitlines(),
             )
-            self.notifier.ready(f"{self.status_line()} (reload refused: config invalid)")
+            self._reloaded(f"{self.status_line()} (reload refused: config invalid)")
             return
         if _comparable(new) == _comparable(self.cfg):
             self.log.info("reload: configuration unchanged")
-            self.notifier.ready(self.status_line())
+            self._reloaded(self.status_line())
             return
         if (new.admin, new.state_dir, new.logging) != (
             self.cfg.admin,
@@ -644,9 +645,17 @@ class Daemon:
         self.machine.cfg = new
         self.scanner = LogScanner(new.logs.fatal_patterns, new.logs.tail_lines)
         self.log.info("reload: configuration changed, restarting SGLang")
-        self.notifier.ready(self.status_line())
+        self._reloaded(self.status_line())
         self.metrics.set_profile(self.machine.ctx.profile, new.profile_names)
         self._dispatch(RestartRequested(Reason.RELOAD, back_to_primary=True))
+
+    def _reloaded(self, status: str) -> None:
+        # READY=1 ends systemd's reload job, but before the first decode it would end the start
+        # job too: units ordered after us would start while SGLang is still loading.
+        if self._ever_ready:
+            self.notifier.ready(status)
+        else:
+            self.notifier.status(status)
 
     # ============================================================ periodic
 
