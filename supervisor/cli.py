@@ -83,12 +83,12 @@ def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import httpx
 
     from supervisor import command
-    from supervisor.probe import probe
+    from supervisor.probe import probe, server_url
 
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    url = args.url or f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+    url = args.url or server_url(cfg.sglang.host, cfg.sglang.port)
     speculative = command.build(cfg).speculative
 
     async def once() -> Any:

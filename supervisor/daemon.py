@@ -64,7 +64,7 @@ from supervisor.machine import (
 )
 from supervisor.metrics import Metrics
 from supervisor.notify import Notifier, watchdog_interval
-from supervisor.probe import ProbeResult, is_busy, probe, read_progress
+from supervisor.probe import ProbeResult, is_busy, probe, read_progress, server_url
 from supervisor.process import Child, ProcessOwner, port_holder, wait_port_open
 
 # A traceback is one log record over many lines; wait this long for its last line (the
@@ -493,15 +493,15 @@ class Daemon:
     async def _probe(self, launch: int, kind: ProbeKind) -> None:
         cfg = self.cfg.readiness.probe
         timeout = cfg.timeout if kind is ProbeKind.READINESS else self.cfg.liveness.timeout
-        base = f"http://{_url_host(self.cfg.sglang.host)}:{self.cfg.sglang.port}"
+        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         spec = command.build(self.cfg, self.machine.ctx.profile)
         # SGLang's own token counter, read around the probe: if it advanced while the probe
         # waited, the server is loaded, not hung (and the failure does not count).
         before = await read_progress(self.http, base)
         result = await probe(self.http, base, cfg, spec.speculative, timeout=timeout)
         busy = False
-        if not result.ok and not result.not_up:
-            busy = is_busy(before, await read_progress(self.http, base))
+        if result.reason == "timeout":
+            busy = is_busy(result, before, await read_progress(self.http, base), cfg.max_tokens)
         self._note_probe(kind, result, busy)
         self.queue.put_nowait(ProbeDone(launch, kind, result, busy))
 
@@ -533,7 +533,7 @@ class Daemon:
             from supervisor import intent
         except ImportError:
             return
-        base = f"http://{_url_host(self.cfg.sglang.host)}:{self.cfg.sglang.port}"
+        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         info: dict[str, Any] | None = None
         for path in ("/server_info", "/get_server_info"):
             with contextlib.suppress(httpx.HTTPError, ValueError, TimeoutError):
@@ -771,14 +771,6 @@ class Daemon:
             "intent": self.intent,
             "events": list(self.events),
         }
-
-
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 def _comparable(cfg: Config) -> Any:

@@ -21,7 +21,7 @@ READY_LINE = "The server is fired up and ready to roll!"
 # waits for that line (or a short settle timer in the daemon).
 _TRACEBACK_START = re.compile(r"Traceback \(most recent call last\)|hit an exception")
 _EXCEPTION_LINE = re.compile(
-    r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
+    r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?(?=[A-Z])\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
 )
 
 _LEVEL_WORDS = (

@@ -292,6 +292,10 @@ PROBE_RETRY_DELAY = 0.25
 ILLEGAL = "illegal transition"
 
 
+def _how(exit_code: int | None, sig: int | None) -> str:
+    return f"killed by signal {sig}" if sig else f"exit code {exit_code}"
+
+
 class IllegalTransition(RuntimeError):
     pass
 
@@ -314,6 +318,7 @@ class Context:
     pending: Reason | None = None  # why the current child is being stopped
     pending_detail: str = ""
     host_message: str = ""  # why cleaning cannot finish, for STATUS
+    host_retries: int = 0
 
 
 class Machine:
@@ -364,24 +369,22 @@ class Machine:
                     *self._to(State.LOADING, "launched", now, f"pid {event.pid}"),
                     SetTimer(TimerName.LOAD, self.cfg.readiness.load_timeout, ctx.launch),
                 ]
-            case LaunchFailed() if self._current(event.launch):
-                ctx.child = False
-                return self._restart(Reason.EXITED, now, event.message)
+            case LaunchFailed() if self._current(event.launch) and ctx.child:
+                # The exec itself failed: no process exists, so nothing needs stopping.
+                if ctx.state is State.LAUNCHING:
+                    ctx.child = False
+                    return self._restart(Reason.EXITED, now, event.message)
+                return self._child_gone(ChildGone(event.launch, None, None), now)
             case PortOpen() | ReadyLine() if self._current(event.launch):
                 return self._server_up(event, now)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.FATAL_LOG, now, event.pattern)
             case ChildExited() if self._current(event.launch) and ctx.state in CHILD_STATES:
-                how = (
-                    f"killed by signal {event.signal}"
-                    if event.signal
-                    else f"exit code {event.exit_code}"
-                )
-                return self._restart(Reason.EXITED, now, how)
+                return self._restart(Reason.EXITED, now, _how(event.exit_code, event.signal))
             case ProbeDone() if self._current(event.launch):
                 ctx.probe_in_flight = False
                 return self._probe_done(event, now)
-            case ChildGone() if self._current(event.launch):
+            case ChildGone() if self._current(event.launch) and ctx.child:
                 return self._child_gone(event, now)
             case TimerFired() if self._current(event.launch):
                 return self._timer(event, now)
@@ -395,9 +398,12 @@ class Machine:
         self.ctx.host_message = event.message
         if event.wedged:
             return self._to(State.FAILED, "gpu_wedged", now, event.message)
-        # A host problem (memory still held, port busy) may clear by itself; retry with backoff
-        # and say why in STATUS meanwhile (the Transitioned-free path: an update only).
-        delay = self._next_backoff()
+        # A host problem (memory still held, port busy) may clear by itself; retry with a
+        # backoff of its own (a slow mount must not lengthen the next crash's backoff) and say
+        # why in STATUS meanwhile: old == new marks an update of the same state.
+        rcfg = self.cfg.restart
+        delay = min(max(rcfg.backoff_initial, 1.0) * 2**self.ctx.host_retries, rcfg.backoff_max)
+        self.ctx.host_retries += 1
         return [
             Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", event.message),
             SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch),
@@ -413,6 +419,7 @@ class Machine:
         ctx.liveness_failures = 0
         ctx.pending = None
         ctx.host_message = ""
+        ctx.host_retries = 0
         return [
             *self._to(State.LAUNCHING, "host_ready", now, f"profile {ctx.profile}"),
             Launch(ctx.launch, ctx.profile),
@@ -486,7 +493,8 @@ class Machine:
             case TimerName.LIVENESS if ctx.state in SERVING and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
                 return [StartProbe(ctx.launch, ProbeKind.LIVENESS)]
-            case TimerName.BACKOFF if ctx.state is State.RESTARTING:
+            # Never relaunch while a process of the old launch may still hold the GPUs.
+            case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
                 return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
         return []
 
@@ -535,7 +543,14 @@ class Machine:
 
     # ------------------------------------------------------------------ restarts
 
-    def _restart(self, reason: Reason, now: float, detail: str) -> list[Action]:
+    def _restart(
+        self,
+        reason: Reason,
+        now: float,
+        detail: str,
+        exit_code: int | None = None,
+        sig: int | None = None,
+    ) -> list[Action]:
         ctx = self.ctx
         if ctx.state in (State.RESTARTING, State.STOPPING, State.STOPPED, State.FAILED):
             return []
@@ -548,7 +563,7 @@ class Machine:
         ]
         if ctx.child:
             return [*actions, StopChild(ctx.launch, graceful=reason in _GRACEFUL)]
-        return [*actions, *self._after_gone(None, None, now)]
+        return [*actions, *self._after_gone(exit_code, sig, now)]
 
     def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
         ctx = self.ctx
@@ -557,6 +572,15 @@ class Machine:
             return [*self._to(State.STOPPED, "child_stopped", now), Exit(0)]
         if ctx.state is State.RESTARTING:
             return self._after_gone(event.exit_code, event.signal, now)
+        if ctx.state in CHILD_STATES:
+            # Gone without being stopped: the same as an exit of its own.
+            return self._restart(
+                Reason.EXITED,
+                now,
+                _how(event.exit_code, event.signal),
+                event.exit_code,
+                event.signal,
+            )
         return []
 
     def _next_backoff(self) -> float:

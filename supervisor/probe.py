@@ -168,7 +168,7 @@ def judge(
     }
     # All N tokens, or an early end the server chose on purpose (EOS / stop string) after more
     # than the single token /health would have produced.
-    if tokens != cfg.max_tokens and not (finish == "stop" and tokens >= 2):
+    if tokens != cfg.max_tokens and not (finish == "stop" and 2 <= tokens < cfg.max_tokens):
         return _fail(
             "too_few_tokens",
             f"generated {tokens} of {cfg.max_tokens} tokens (finish_reason {finish!r})",
@@ -217,8 +217,14 @@ async def probe(
         # A total deadline: httpx's own timeouts are per read, so a server that trickles a
         # byte at a time would otherwise keep the probe alive forever.
         async with asyncio.timeout(limit):
+            # identity: the size cap below counts the bytes on the wire, and a compressing
+            # proxy must not turn every answer into "malformed".
             async with client.stream(
-                "POST", base_url.rstrip("/") + path, json=body, timeout=limit
+                "POST",
+                base_url.rstrip("/") + path,
+                json=body,
+                timeout=limit,
+                headers={"Accept-Encoding": "identity"},
             ) as response:
                 raw = await _read_capped(response)
                 status = response.status_code
@@ -228,10 +234,14 @@ async def probe(
         return ProbeResult(False, "connect", f"cannot connect: {exc}", clock() - start, not_up=True)
     except httpx.TimeoutException:
         return ProbeResult(False, "timeout", f"no answer within {limit:g}s", clock() - start)
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        return ProbeResult(False, "connect", f"bad URL {base_url!r}: {exc}", clock() - start)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         # RemoteProtocolError included: the incident server dropped the connection as it died.
         msg = str(exc) or type(exc).__name__
         return ProbeResult(False, "connection_lost", msg, clock() - start)
+    except Exception as exc:  # e.g. an ExceptionGroup from the transport: still a verdict
+        return ProbeResult(False, "connect", f"{type(exc).__name__}: {exc}", clock() - start)
     latency = clock() - start
     if raw is None:
         return ProbeResult(
@@ -287,8 +297,20 @@ async def read_progress(client: httpx.AsyncClient, base_url: str) -> Progress | 
     return parse_progress(r.text)
 
 
-def is_busy(before: Progress | None, after: Progress | None) -> bool:
-    """Generated tokens advanced while the probe waited: the server is loaded, not hung."""
-    if before is None or after is None:
+def is_busy(
+    result: ProbeResult, before: Progress | None, after: Progress | None, own_tokens: int
+) -> bool:
+    """A probe that timed out while SGLang generated more than the probe itself could have:
+    the server is loaded, not hung. A wrong answer is never excused as busy."""
+    if result.reason != "timeout" or before is None or after is None:
         return False
-    return after.generation_tokens > before.generation_tokens
+    return after.generation_tokens - before.generation_tokens > own_tokens
+
+
+def server_url(host: str, port: int) -> str:
+    """http://host:port for a server bound to `host` (a wildcard bind is reached on loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

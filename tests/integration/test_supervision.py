@@ -167,7 +167,9 @@ def test_crash_loop_without_fallback_fails_and_stays_up(tmp_path: Path) -> None:
         assert ev["reason"] == "crash_loop"
         st = d.status()
         assert st["state"] == "failed" and st["child"] is None
-        assert st["restarts"] == {"exited": 3}
+        # The crash prints a scheduler traceback, then exits: whichever is seen first names it.
+        assert sum(st["restarts"].values()) == 3
+        assert set(st["restarts"]) <= {"exited", "fatal_log"}
         assert d.get("/readyz").status_code == 503
         metrics = d.get("/metrics").text
         assert 'kimi_serve_state{state="failed"} 1.0' in metrics

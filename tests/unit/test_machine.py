@@ -1,0 +1,1696 @@
+"""The supervision state machine, driven by hand with an explicit clock.
+
+Every test passes `now` itself: nothing sleeps, nothing runs in the background. The table at the
+top takes every edge of `EDGES` and pins the actions that go with it; the tests after it cover
+one rule each (backoff, crash loop, liveness, requests, stale events). The property tests at the
+end play the daemon's side, a FIFO event queue plus effects in flight, and check the invariants
+after every event: no illegal edge, never ready without a decode probe of the current launch,
+never two launches at once, never stuck.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from supervisor import config
+from supervisor.config import PRIMARY, Config
+from supervisor.machine import (
+    CHILD_STATES,
+    EDGES,
+    PROBE_RETRY_DELAY,
+    SERVING,
+    Action,
+    CancelTimer,
+    CheckIntent,
+    ChildExited,
+    ChildGone,
+    CleanHost,
+    Event,
+    Exit,
+    FatalLog,
+    HostNotReady,
+    HostReady,
+    Launch,
+    Launched,
+    LaunchFailed,
+    Machine,
+    NotifyReady,
+    PortOpen,
+    ProbeDone,
+    ProbeKind,
+    ProfileChanged,
+    ReadyLine,
+    Reason,
+    RecordRestart,
+    RestartRequested,
+    SetTimer,
+    Start,
+    StartProbe,
+    State,
+    StopChild,
+    StopRequested,
+    TimerFired,
+    TimerName,
+    Transitioned,
+)
+from supervisor.probe import ProbeResult
+
+T0 = 1_000.0
+PID = 4242
+FALLBACK = "fallback"
+SCHEDULER_EXCEPTION = config.DEFAULT_FATAL_PATTERNS[0]
+
+
+def make_cfg(
+    *,
+    fallback: str | None = FALLBACK,
+    max_restarts: int = 3,
+    window: str = "1h",
+    backoff_initial: str = "5s",
+    backoff_max: str = "5m",
+    threshold: int = 3,
+    stable_after: str = "10m",
+) -> Config:
+    text = f"""
+sglang:
+  model_path: /shared/kimi-k2.5-int4
+  args:
+    tp-size: 8
+    speculative-algorithm: EAGLE3
+profiles:
+  {FALLBACK}:
+    args:
+      speculative-algorithm: null
+readiness:
+  load_timeout: 30m
+  probe:
+    max_tokens: 8
+    timeout: 30s
+liveness:
+  interval: 15s
+  timeout: 20s
+  failure_threshold: {threshold}
+restart:
+  backoff_initial: {backoff_initial}
+  backoff_max: {backoff_max}
+  crash_loop:
+    max_restarts: {max_restarts}
+    window: {window}
+  fallback_profile: {"null" if fallback is None else fallback}
+  stable_after: {stable_after}
+gpus:
+  manage: false
+"""
+    return config.parse(text, "test.yaml")
+
+
+CFG = make_cfg()
+
+# ------------------------------------------------------------------------------ probe results
+
+
+def ok_result(tokens: int = 8) -> ProbeResult:
+    return ProbeResult(
+        True, "ok", None, 0.42, completion_tokens=tokens, spec_verify_ct=3, text="Hello!"
+    )
+
+
+def failed_result(
+    reason: str = "timeout", error: str | None = "no answer within 20s"
+) -> ProbeResult:
+    return ProbeResult(False, reason, error, 20.0)
+
+
+def not_up_result() -> ProbeResult:
+    return ProbeResult(False, "connect", "cannot connect: refused", 0.001, not_up=True)
+
+
+ZERO_TOKENS = failed_result("too_few_tokens", "generated 0 of 8 tokens (finish_reason 'stop')")
+
+LAUNCH_TIMERS = [
+    CancelTimer(TimerName.LOAD),
+    CancelTimer(TimerName.LIVENESS),
+    CancelTimer(TimerName.PROBE_RETRY),
+]
+ALL_TIMERS = [CancelTimer(n) for n in TimerName]
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+class Drive:
+    """A Machine, an explicit clock, and the scripted paths to each state."""
+
+    def __init__(self, cfg: Config = CFG, now: float = T0) -> None:
+        self.cfg = cfg
+        self.now = now
+        self.m = Machine(cfg, now)
+
+    @property
+    def state(self) -> State:
+        return self.m.state
+
+    @property
+    def launch(self) -> int:
+        return self.m.ctx.launch
+
+    def send(self, event: Event, after: float = 0.0) -> list[Action]:
+        self.now += after
+        return self.m.handle(event, self.now)
+
+    def expect(self, state: State) -> Drive:
+        assert self.state is state, f"expected {state}, machine is in {self.state}"
+        return self
+
+    # Paths. Each asserts where it lands, so a broken step fails where it breaks.
+    def cleaning(self) -> Drive:
+        self.send(Start())
+        return self.expect(State.CLEANING)
+
+    def launching(self) -> Drive:
+        self.cleaning().send(HostReady())
+        return self.expect(State.LAUNCHING)
+
+    def loading(self) -> Drive:
+        self.launching().send(Launched(self.launch, PID), after=0.1)
+        return self.expect(State.LOADING)
+
+    def warming(self) -> Drive:
+        self.loading().send(PortOpen(self.launch), after=600)
+        return self.expect(State.WARMING)
+
+    def ready(self) -> Drive:
+        self.warming().send(ProbeDone(self.launch, ProbeKind.READINESS, ok_result()), after=1)
+        return self.expect(State.READY)
+
+    def degraded(self) -> Drive:
+        self.ready().liveness(failed_result())
+        return self.expect(State.DEGRADED)
+
+    def restarting(self) -> Drive:
+        """Restarting with the old child still being stopped."""
+        self.ready().send(ChildExited(self.launch, None, 9), after=5)
+        return self.expect(State.RESTARTING)
+
+    def backing_off(self) -> Drive:
+        """Restarting with the child gone: the backoff timer runs."""
+        self.restarting().send(ChildGone(self.launch, None, 9), after=1)
+        assert not self.m.ctx.child
+        return self.expect(State.RESTARTING)
+
+    def failed(self) -> Drive:
+        self.cleaning().send(HostNotReady("process 77 survives SIGKILL (D state)", wedged=True))
+        return self.expect(State.FAILED)
+
+    def stopping(self) -> Drive:
+        self.ready().send(StopRequested())
+        return self.expect(State.STOPPING)
+
+    def stopped(self) -> Drive:
+        self.stopping().send(ChildGone(self.launch, 0, None), after=3)
+        return self.expect(State.STOPPED)
+
+    # Steps used by several tests.
+    def liveness(self, result: ProbeResult, busy: bool = False, after: float = 15) -> list[Action]:
+        return self.send(ProbeDone(self.launch, ProbeKind.LIVENESS, result, busy), after=after)
+
+    def bring_up(self, after: float = 0.0) -> list[Action]:
+        """From CLEANING to READY; returns the actions of the Launch step."""
+        self.expect(State.CLEANING)
+        actions = self.send(HostReady(), after=after)
+        self.send(Launched(self.launch, PID), after=0.1)
+        self.send(PortOpen(self.launch), after=60)
+        self.send(ProbeDone(self.launch, ProbeKind.READINESS, ok_result()), after=1)
+        self.expect(State.READY)
+        return actions
+
+    def crash(self, after: float = 1.0) -> list[Action]:
+        """SGLang dies in a child state; returns the actions on ChildGone."""
+        assert self.state in CHILD_STATES
+        self.send(ChildExited(self.launch, None, 9), after=after)
+        self.expect(State.RESTARTING)
+        return self.send(ChildGone(self.launch, None, 9), after=0.5)
+
+    def backoff_elapsed(self, after: float = 1.0) -> list[Action]:
+        actions = self.send(TimerFired(TimerName.BACKOFF, self.launch), after=after)
+        self.expect(State.CLEANING)
+        return actions
+
+
+def events(*items: Event) -> tuple[Event, ...]:
+    return items
+
+
+def transitions(actions: list[Action]) -> list[tuple[State, State]]:
+    return [(a.old, a.new) for a in actions if isinstance(a, Transitioned)]
+
+
+def of(kind: type, actions: list[Action]) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def backoff_delays(actions: list[Action]) -> list[float]:
+    return [a.delay for a in actions if isinstance(a, SetTimer) and a.name is TimerName.BACKOFF]
+
+
+# ------------------------------------------------------------------------------ every edge
+
+
+def _stop_no_child(path: Callable[[Drive], Drive], old: State) -> Callable[[], Any]:
+    def case() -> tuple[list[Action], list[Action]]:
+        d = path(Drive())
+        return d.send(StopRequested()), [
+            Transitioned(old, State.STOPPING, "SIGTERM"),
+            *ALL_TIMERS,
+            Transitioned(State.STOPPING, State.STOPPED, "no_child"),
+            Exit(0),
+        ]
+
+    return case
+
+
+def _stop_with_child(path: Callable[[Drive], Drive], old: State) -> Callable[[], Any]:
+    def case() -> tuple[list[Action], list[Action]]:
+        d = path(Drive())
+        return d.send(StopRequested("SIGINT")), [
+            Transitioned(old, State.STOPPING, "SIGINT"),
+            *ALL_TIMERS,
+            StopChild(d.launch, graceful=True),
+        ]
+
+    return case
+
+
+def _starting_cleaning() -> Any:
+    return Drive().send(Start()), [
+        Transitioned(State.STARTING, State.CLEANING, "started"),
+        CleanHost(),
+    ]
+
+
+def _cleaning_launching() -> Any:
+    d = Drive().cleaning()
+    return d.send(HostReady()), [
+        Transitioned(State.CLEANING, State.LAUNCHING, "host_ready", "profile primary"),
+        Launch(1, PRIMARY),
+    ]
+
+
+def _cleaning_failed() -> Any:
+    d = Drive().cleaning()
+    msg = "process 77 survives SIGKILL (D state)"
+    return d.send(HostNotReady(msg, wedged=True)), [
+        Transitioned(State.CLEANING, State.FAILED, "gpu_wedged", msg)
+    ]
+
+
+def _launching_loading() -> Any:
+    d = Drive().launching()
+    return d.send(Launched(1, PID)), [
+        Transitioned(State.LAUNCHING, State.LOADING, "launched", f"pid {PID}"),
+        SetTimer(TimerName.LOAD, 1800.0, 1),
+    ]
+
+
+def _launching_restarting() -> Any:
+    # The exec itself failed: no process exists, so no StopChild; straight to the backoff.
+    d = Drive().launching()
+    msg = "cannot start /opt/sglang/venv/bin/python: No such file or directory (sglang.python)"
+    return d.send(LaunchFailed(1, msg)), [
+        Transitioned(State.LAUNCHING, State.RESTARTING, "exited", msg),
+        *LAUNCH_TIMERS,
+        RecordRestart(Reason.EXITED, None, None, msg),
+        SetTimer(TimerName.BACKOFF, 5.0, 1),
+    ]
+
+
+def _loading_warming() -> Any:
+    d = Drive().loading()
+    return d.send(PortOpen(1)), [
+        Transitioned(State.LOADING, State.WARMING, "port_open"),
+        CancelTimer(TimerName.PROBE_RETRY),
+        StartProbe(1, ProbeKind.READINESS),
+    ]
+
+
+def _loading_restarting() -> Any:
+    d = Drive().loading()
+    return d.send(TimerFired(TimerName.LOAD, 1), after=1800), [
+        Transitioned(State.LOADING, State.RESTARTING, "load_timeout", "no decode within 1800s"),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=False),
+    ]
+
+
+def _warming_ready() -> Any:
+    d = Drive().warming()
+    result = ok_result()
+    return d.send(ProbeDone(1, ProbeKind.READINESS, result)), [
+        Transitioned(State.WARMING, State.READY, "probe_ok", "8 tokens"),
+        CancelTimer(TimerName.LOAD),
+        NotifyReady(),
+        SetTimer(TimerName.LIVENESS, 15.0, 1),
+        CheckIntent(1, result),
+    ]
+
+
+def _warming_restarting() -> Any:
+    d = Drive().warming()
+    return d.send(ProbeDone(1, ProbeKind.READINESS, ZERO_TOKENS)), [
+        Transitioned(State.WARMING, State.RESTARTING, "readiness_failed", ZERO_TOKENS.error or ""),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=False),
+    ]
+
+
+def _ready_degraded() -> Any:
+    d = Drive().ready()
+    return d.liveness(failed_result()), [
+        Transitioned(State.READY, State.DEGRADED, "probe_failed", "no answer within 20s (1/3)"),
+        SetTimer(TimerName.LIVENESS, 15.0, 1),
+    ]
+
+
+def _ready_restarting() -> Any:
+    d = Drive().ready()
+    return d.send(ChildExited(1, None, 9)), [
+        Transitioned(State.READY, State.RESTARTING, "exited", "killed by signal 9"),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=False),
+    ]
+
+
+def _degraded_ready() -> Any:
+    d = Drive().degraded()
+    return d.liveness(ok_result()), [
+        Transitioned(State.DEGRADED, State.READY, "probe_ok"),
+        SetTimer(TimerName.LIVENESS, 15.0, 1),
+    ]
+
+
+def _degraded_restarting() -> Any:
+    d = Drive().degraded()
+    return d.send(FatalLog(1, SCHEDULER_EXCEPTION)), [
+        Transitioned(State.DEGRADED, State.RESTARTING, "fatal_log", SCHEDULER_EXCEPTION),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=False),
+    ]
+
+
+def _restarting_cleaning() -> Any:
+    d = Drive().backing_off()
+    return d.send(TimerFired(TimerName.BACKOFF, 1), after=5), [
+        Transitioned(State.RESTARTING, State.CLEANING, "backoff_elapsed"),
+        CleanHost(),
+    ]
+
+
+def _restarting_failed() -> Any:
+    d = Drive(make_cfg(fallback=None, max_restarts=1)).restarting()
+    return d.send(ChildGone(1, None, 9)), [
+        RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"),
+        Transitioned(
+            State.RESTARTING,
+            State.FAILED,
+            "crash_loop",
+            "1 restarts within 3600s on profile primary",
+        ),
+    ]
+
+
+def _failed_cleaning() -> Any:
+    d = Drive().failed()
+    return d.send(RestartRequested(Reason.MANUAL)), [
+        RecordRestart(Reason.MANUAL, None, None, "requested"),
+        Transitioned(State.FAILED, State.CLEANING, "manual"),
+        CleanHost(),
+    ]
+
+
+def _stopping_stopped() -> Any:
+    d = Drive().stopping()
+    return d.send(ChildGone(1, 0, None)), [
+        Transitioned(State.STOPPING, State.STOPPED, "child_stopped"),
+        Exit(0),
+    ]
+
+
+EDGE_CASES: dict[tuple[State, State], Callable[[], Any]] = {
+    (State.STARTING, State.CLEANING): _starting_cleaning,
+    (State.STARTING, State.STOPPING): _stop_no_child(lambda d: d, State.STARTING),
+    (State.CLEANING, State.LAUNCHING): _cleaning_launching,
+    (State.CLEANING, State.FAILED): _cleaning_failed,
+    (State.CLEANING, State.STOPPING): _stop_no_child(Drive.cleaning, State.CLEANING),
+    (State.LAUNCHING, State.LOADING): _launching_loading,
+    (State.LAUNCHING, State.RESTARTING): _launching_restarting,
+    (State.LAUNCHING, State.STOPPING): _stop_with_child(Drive.launching, State.LAUNCHING),
+    (State.LOADING, State.WARMING): _loading_warming,
+    (State.LOADING, State.RESTARTING): _loading_restarting,
+    (State.LOADING, State.STOPPING): _stop_with_child(Drive.loading, State.LOADING),
+    (State.WARMING, State.READY): _warming_ready,
+    (State.WARMING, State.RESTARTING): _warming_restarting,
+    (State.WARMING, State.STOPPING): _stop_with_child(Drive.warming, State.WARMING),
+    (State.READY, State.DEGRADED): _ready_degraded,
+    (State.READY, State.RESTARTING): _ready_restarting,
+    (State.READY, State.STOPPING): _stop_with_child(Drive.ready, State.READY),
+    (State.DEGRADED, State.READY): _degraded_ready,
+    (State.DEGRADED, State.RESTARTING): _degraded_restarting,
+    (State.DEGRADED, State.STOPPING): _stop_with_child(Drive.degraded, State.DEGRADED),
+    (State.RESTARTING, State.CLEANING): _restarting_cleaning,
+    (State.RESTARTING, State.FAILED): _restarting_failed,
+    (State.RESTARTING, State.STOPPING): _stop_with_child(Drive.restarting, State.RESTARTING),
+    (State.FAILED, State.CLEANING): _failed_cleaning,
+    (State.FAILED, State.STOPPING): _stop_no_child(Drive.failed, State.FAILED),
+    (State.STOPPING, State.STOPPED): _stopping_stopped,
+}
+
+
+def test_every_edge_in_the_table_has_a_case() -> None:
+    edges = {(old, new) for old, news in EDGES.items() for new in news}
+    assert edges == set(EDGE_CASES)
+
+
+@pytest.mark.parametrize(
+    "edge", list(EDGE_CASES), ids=[f"{a.value}->{b.value}" for a, b in EDGE_CASES]
+)
+def test_edge(edge: tuple[State, State]) -> None:
+    got, expected = EDGE_CASES[edge]()
+    assert transitions(got)[0] == edge
+    assert got == expected
+
+
+def test_ready_line_also_starts_warming() -> None:
+    d = Drive().loading()
+    assert d.send(ReadyLine(1)) == [
+        Transitioned(State.LOADING, State.WARMING, "ready_line"),
+        CancelTimer(TimerName.PROBE_RETRY),
+        StartProbe(1, ProbeKind.READINESS),
+    ]
+
+
+def test_the_machine_starts_in_starting_on_primary() -> None:
+    m = Machine(CFG, T0)
+    assert (m.state, m.ctx.profile, m.ctx.launch, m.ctx.child) == (
+        State.STARTING,
+        PRIMARY,
+        0,
+        False,
+    )
+    assert m.ctx.since == T0
+    assert m.ctx.backoff == CFG.restart.backoff_initial
+
+
+def test_since_follows_the_clock() -> None:
+    d = Drive().cleaning()
+    d.send(HostReady(), after=7.5)
+    assert d.m.ctx.since == T0 + 7.5
+
+
+# ------------------------------------------------------------------------------ warming
+
+
+def test_port_open_then_ready_line_starts_one_probe_only() -> None:
+    d = Drive().loading()
+    assert of(StartProbe, d.send(PortOpen(1)))
+    assert d.send(ReadyLine(1)) == []  # the probe is still in flight
+
+
+def test_ready_line_restarts_a_waiting_readiness_probe_at_once() -> None:
+    d = Drive().warming()
+    d.send(ProbeDone(1, ProbeKind.READINESS, not_up_result()))
+    assert d.send(ReadyLine(1), after=0.1) == [
+        CancelTimer(TimerName.PROBE_RETRY),
+        StartProbe(1, ProbeKind.READINESS),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("result", "busy"),
+    [(not_up_result(), False), (failed_result(), True)],
+    ids=["not_up", "busy"],
+)
+def test_probe_not_up_or_busy_in_warming_retries(result: ProbeResult, busy: bool) -> None:
+    d = Drive().warming()
+    actions = d.send(ProbeDone(1, ProbeKind.READINESS, result, busy))
+    assert actions == [SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, 1)]
+    assert d.state is State.WARMING
+    assert d.send(TimerFired(TimerName.PROBE_RETRY, 1), after=PROBE_RETRY_DELAY) == [
+        StartProbe(1, ProbeKind.READINESS)
+    ]
+
+
+def test_probe_retry_timer_while_a_probe_is_in_flight_does_nothing() -> None:
+    d = Drive().warming()
+    assert d.send(TimerFired(TimerName.PROBE_RETRY, 1)) == []
+
+
+def test_readiness_keeps_retrying_until_the_load_timer() -> None:
+    d = Drive().warming()
+    for _ in range(20):
+        d.send(ProbeDone(1, ProbeKind.READINESS, not_up_result()))
+        assert d.send(TimerFired(TimerName.PROBE_RETRY, 1), after=0.25)
+    actions = d.send(TimerFired(TimerName.LOAD, 1), after=1800)
+    assert transitions(actions) == [(State.WARMING, State.RESTARTING)]
+    assert of(Transitioned, actions)[0].reason == Reason.LOAD_TIMEOUT
+    assert StopChild(1, graceful=False) in actions
+
+
+@pytest.mark.parametrize(
+    "reason", ["timeout", "connection_lost", "too_few_tokens", "no_speculation", "malformed"]
+)
+def test_any_real_failure_in_warming_is_readiness_failed(reason: str) -> None:
+    d = Drive().warming()
+    actions = d.send(ProbeDone(1, ProbeKind.READINESS, failed_result(reason, None)))
+    t = of(Transitioned, actions)[0]
+    assert (t.new, t.reason, t.detail) == (State.RESTARTING, Reason.READINESS_FAILED, reason)
+    assert StopChild(1, graceful=False) in actions
+
+
+def test_port_open_and_ready_line_alone_never_make_ready() -> None:
+    d = Drive().loading()
+    for event in (PortOpen(1), ReadyLine(1), PortOpen(1), ReadyLine(1)):
+        d.send(event)
+        assert d.state is State.WARMING
+    assert not any(isinstance(a, NotifyReady) for a in d.send(ReadyLine(1)))
+
+
+def test_a_liveness_result_in_warming_does_not_make_ready() -> None:
+    d = Drive().warming()
+    assert d.send(ProbeDone(1, ProbeKind.LIVENESS, ok_result())) == []
+    assert d.state is State.WARMING
+
+
+@pytest.mark.parametrize(
+    "path", [Drive.launching, Drive.loading, Drive.warming, Drive.ready, Drive.degraded]
+)
+def test_load_timer_restarts_only_before_ready(path: Callable[[Drive], Drive]) -> None:
+    d = path(Drive())
+    actions = d.send(TimerFired(TimerName.LOAD, 1), after=1800)
+    if d.m.ctx.ready_at is None:
+        assert of(Transitioned, actions)[0].reason == Reason.LOAD_TIMEOUT
+    else:
+        assert actions == []  # a stale load timer after ready means nothing
+
+
+def test_load_timer_counts_from_launched() -> None:
+    d = Drive().launching()
+    assert SetTimer(TimerName.LOAD, CFG.readiness.load_timeout, 1) in d.send(Launched(1, PID))
+
+
+# ------------------------------------------------------------------------------ restarts
+
+
+@pytest.mark.parametrize(
+    ("path", "event", "reason"),
+    [
+        (Drive.launching, FatalLog(1, SCHEDULER_EXCEPTION), Reason.FATAL_LOG),
+        (Drive.loading, ChildExited(1, 1, None), Reason.EXITED),
+        (Drive.loading, FatalLog(1, "Scheduler watchdog timeout"), Reason.FATAL_LOG),
+        (Drive.warming, ChildExited(1, None, 6), Reason.EXITED),
+        (Drive.ready, FatalLog(1, SCHEDULER_EXCEPTION), Reason.FATAL_LOG),
+        (Drive.degraded, ChildExited(1, 0, None), Reason.EXITED),
+    ],
+)
+def test_child_exit_and_fatal_log_restart_from_every_child_state(
+    path: Callable[[Drive], Drive], event: Event, reason: Reason
+) -> None:
+    d = path(Drive())
+    old = d.state
+    actions = d.send(event)
+    first = of(Transitioned, actions)[0]
+    assert actions[0] == Transitioned(old, State.RESTARTING, reason, first.detail)
+    assert actions[1:] == [*LAUNCH_TIMERS, StopChild(1, graceful=False)]
+
+
+def test_exit_detail_names_the_exit_code() -> None:
+    d = Drive().ready()
+    assert of(Transitioned, d.send(ChildExited(1, 137, None)))[0].detail == "exit code 137"
+
+
+def test_child_gone_after_a_crash_records_and_backs_off() -> None:
+    d = Drive().restarting()
+    assert d.send(ChildGone(1, None, 9), after=2) == [
+        RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"),
+        SetTimer(TimerName.BACKOFF, 5.0, 1),
+    ]
+    assert d.state is State.RESTARTING and not d.m.ctx.child
+
+
+def test_events_while_restarting_do_not_restart_twice() -> None:
+    d = Drive().restarting()
+    for event in events(
+        ChildExited(1, None, 9),
+        FatalLog(1, SCHEDULER_EXCEPTION),
+        ProbeDone(1, ProbeKind.LIVENESS, failed_result()),
+        TimerFired(TimerName.LOAD, 1),
+        TimerFired(TimerName.LIVENESS, 1),
+        PortOpen(1),
+    ):
+        assert d.send(event) == [], event
+
+
+def test_backoff_doubles_and_is_capped_at_backoff_max() -> None:
+    d = Drive(make_cfg(max_restarts=100, backoff_initial="5s", backoff_max="1m")).ready()
+    delays = []
+    for _ in range(7):
+        delays += backoff_delays(d.crash())
+        d.backoff_elapsed()
+        d.bring_up()
+    assert delays == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
+
+
+def test_backoff_zero_stays_zero() -> None:
+    d = Drive(make_cfg(max_restarts=100, backoff_initial="0s")).ready()
+    delays = []
+    for _ in range(3):
+        delays += backoff_delays(d.crash())
+        d.backoff_elapsed()
+        d.bring_up()
+    assert delays == [0.0, 0.0, 0.0]
+
+
+def test_stable_after_resets_the_backoff() -> None:
+    d = Drive(make_cfg(max_restarts=100, stable_after="10m")).ready()
+    assert backoff_delays(d.crash()) == [5.0]
+    d.backoff_elapsed()
+    d.bring_up()
+    assert backoff_delays(d.crash(after=30)) == [10.0]
+    d.backoff_elapsed()
+    d.bring_up()
+    # This launch serves for 10 minutes: the next restart starts from backoff_initial again.
+    assert backoff_delays(d.crash(after=600)) == [5.0]
+    d.backoff_elapsed()
+    d.bring_up()
+    assert backoff_delays(d.crash(after=1)) == [10.0]
+
+
+def test_stability_is_measured_from_ready_not_from_launch() -> None:
+    d = Drive(make_cfg(max_restarts=100, stable_after="10m")).ready()
+    assert backoff_delays(d.crash()) == [5.0]
+    d.backoff_elapsed()
+    # 20 minutes of loading, then 1 minute of serving: not stable.
+    d.send(HostReady())
+    d.send(Launched(d.launch, PID))
+    d.send(PortOpen(d.launch), after=1200)
+    d.send(ProbeDone(d.launch, ProbeKind.READINESS, ok_result()))
+    assert backoff_delays(d.crash(after=60)) == [10.0]
+
+
+def _crash_loop(d: Drive, n: int) -> list[Action]:
+    """n crashes a minute apart, each relaunched; returns the actions of the last ChildGone."""
+    actions: list[Action] = []
+    for i in range(n):
+        actions = d.crash(after=60)
+        if i < n - 1:
+            d.backoff_elapsed()
+            d.bring_up()
+    return actions
+
+
+def test_crash_loop_switches_to_the_fallback_and_clears_history() -> None:
+    d = Drive(make_cfg(max_restarts=3)).ready()
+    actions = _crash_loop(d, 3)
+    assert actions == [
+        RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"),
+        ProfileChanged(PRIMARY, FALLBACK),
+        SetTimer(TimerName.BACKOFF, 5.0, d.launch),  # fresh backoff on the new profile
+    ]
+    assert d.m.ctx.profile == FALLBACK
+    assert len(d.m.ctx.restarts) == 0
+    d.backoff_elapsed()
+    assert of(Launch, d.bring_up()) == [Launch(4, FALLBACK)]
+
+
+def test_crash_loop_on_the_fallback_fails() -> None:
+    d = Drive(make_cfg(max_restarts=3)).ready()
+    _crash_loop(d, 3)
+    d.backoff_elapsed()
+    d.bring_up()
+    actions = _crash_loop(d, 3)
+    assert actions == [
+        RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"),
+        Transitioned(
+            State.RESTARTING,
+            State.FAILED,
+            "crash_loop",
+            "3 restarts within 3600s on profile fallback",
+        ),
+    ]
+    assert not of(SetTimer, actions)
+
+
+def test_crash_loop_without_fallback_fails_on_primary() -> None:
+    d = Drive(make_cfg(max_restarts=3, fallback=None)).ready()
+    actions = _crash_loop(d, 3)
+    assert transitions(actions) == [(State.RESTARTING, State.FAILED)]
+    assert not of(ProfileChanged, actions)
+    assert d.m.ctx.profile == PRIMARY
+
+
+def test_one_restart_short_of_the_loop_keeps_backing_off() -> None:
+    d = Drive(make_cfg(max_restarts=3)).ready()
+    actions = _crash_loop(d, 2)
+    assert backoff_delays(actions) == [10.0]
+    assert d.m.ctx.profile == PRIMARY
+
+
+def test_restarts_outside_the_window_do_not_count() -> None:
+    d = Drive(make_cfg(max_restarts=3, window="1h", stable_after="1000h")).ready()
+    for _ in range(6):
+        actions = d.crash(after=1801)  # two restarts fit in any hour, never three
+        assert not of(ProfileChanged, actions) and d.state is State.RESTARTING
+        d.backoff_elapsed()
+        d.bring_up()
+    assert d.m.ctx.profile == PRIMARY
+
+
+@pytest.mark.parametrize(("gap", "loop"), [(100.0, True), (100.5, False)])
+def test_the_window_edge(gap: float, loop: bool) -> None:
+    d = Drive(make_cfg(max_restarts=2, window="100s")).ready()
+    d.crash(after=1)
+    first = d.now
+    d.backoff_elapsed()
+    d.bring_up()
+    d.now = first + gap - 0.5  # the next crash's ChildGone lands `gap` seconds later
+    changed = of(ProfileChanged, d.crash(after=0))
+    assert changed == ([ProfileChanged(PRIMARY, FALLBACK)] if loop else [])
+
+
+@pytest.mark.parametrize(
+    ("path", "event", "reason"),
+    [
+        (Drive.loading, TimerFired(TimerName.LOAD, 1), Reason.LOAD_TIMEOUT),
+        (Drive.warming, ProbeDone(1, ProbeKind.READINESS, ZERO_TOKENS), Reason.READINESS_FAILED),
+        (Drive.ready, FatalLog(1, SCHEDULER_EXCEPTION), Reason.FATAL_LOG),
+    ],
+)
+def test_every_failure_reason_counts_towards_the_crash_loop(
+    path: Callable[[Drive], Drive], event: Event, reason: Reason
+) -> None:
+    d = path(Drive(make_cfg(max_restarts=1, fallback=None)))
+    d.send(event)
+    actions = d.send(ChildGone(1, None, 9))
+    assert of(RecordRestart, actions)[0].reason is reason
+    assert transitions(actions) == [(State.RESTARTING, State.FAILED)]
+
+
+# ------------------------------------------------------------------------------ liveness
+
+
+def test_liveness_timer_starts_a_liveness_probe() -> None:
+    d = Drive().ready()
+    assert d.send(TimerFired(TimerName.LIVENESS, 1), after=15) == [
+        StartProbe(1, ProbeKind.LIVENESS)
+    ]
+    assert d.send(TimerFired(TimerName.LIVENESS, 1), after=15) == []  # one at a time
+
+
+def test_liveness_ok_keeps_ready_and_rearms() -> None:
+    d = Drive().ready()
+    assert d.liveness(ok_result()) == [SetTimer(TimerName.LIVENESS, 15.0, 1)]
+    assert d.state is State.READY
+
+
+def test_liveness_failures_below_threshold_degrade_then_threshold_restarts() -> None:
+    d = Drive(make_cfg(threshold=3)).ready()
+    first = d.liveness(failed_result())
+    assert transitions(first) == [(State.READY, State.DEGRADED)]
+    second = d.liveness(failed_result())
+    assert second == [
+        Transitioned(State.DEGRADED, State.DEGRADED, "probe_failed", "no answer within 20s (2/3)"),
+        SetTimer(TimerName.LIVENESS, 15.0, 1),
+    ]
+    third = d.liveness(failed_result())
+    assert third == [
+        Transitioned(
+            State.DEGRADED, State.RESTARTING, "liveness_failed", "no answer within 20s (3/3)"
+        ),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=False),
+    ]
+
+
+def test_liveness_recovery_resets_the_count() -> None:
+    d = Drive(make_cfg(threshold=3)).ready()
+    d.liveness(failed_result())
+    d.liveness(failed_result())
+    assert transitions(d.liveness(ok_result())) == [(State.DEGRADED, State.READY)]
+    assert d.m.ctx.liveness_failures == 0
+    d.liveness(failed_result())
+    d.liveness(failed_result())
+    assert d.state is State.DEGRADED  # 2/3 again, not 4/3
+
+
+def test_threshold_one_restarts_straight_from_ready() -> None:
+    d = Drive(make_cfg(threshold=1)).ready()
+    assert transitions(d.liveness(failed_result())) == [(State.READY, State.RESTARTING)]
+
+
+def test_a_busy_liveness_failure_is_not_counted() -> None:
+    d = Drive(make_cfg(threshold=2)).ready()
+    for _ in range(10):
+        assert d.liveness(failed_result(), busy=True) == [SetTimer(TimerName.LIVENESS, 15.0, 1)]
+    assert d.state is State.READY and d.m.ctx.liveness_failures == 0
+
+
+def test_busy_does_not_reset_earlier_failures() -> None:
+    d = Drive(make_cfg(threshold=2)).ready()
+    d.liveness(failed_result())
+    d.liveness(failed_result(), busy=True)
+    assert d.state is State.DEGRADED
+    assert transitions(d.liveness(failed_result())) == [(State.DEGRADED, State.RESTARTING)]
+
+
+def test_not_up_after_ready_is_a_liveness_failure() -> None:
+    d = Drive(make_cfg(threshold=1)).ready()
+    assert transitions(d.liveness(not_up_result())) == [(State.READY, State.RESTARTING)]
+
+
+def test_liveness_failures_start_from_zero_on_a_new_launch() -> None:
+    d = Drive(make_cfg(threshold=3, max_restarts=100)).ready()
+    d.liveness(failed_result())
+    d.liveness(failed_result())
+    d.crash()
+    d.backoff_elapsed()
+    d.bring_up()
+    d.liveness(failed_result())
+    assert d.state is State.DEGRADED and d.m.ctx.liveness_failures == 1
+
+
+def test_a_readiness_result_after_ready_is_ignored() -> None:
+    d = Drive().ready()
+    assert d.send(ProbeDone(1, ProbeKind.READINESS, ZERO_TOKENS)) == []
+    assert d.state is State.READY
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+def test_manual_restart_in_ready_is_graceful_without_backoff_and_not_counted() -> None:
+    d = Drive(make_cfg(max_restarts=2)).ready()
+    assert d.send(RestartRequested(Reason.MANUAL)) == [
+        Transitioned(State.READY, State.RESTARTING, "manual", "requested"),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=True),
+    ]
+    assert d.send(ChildGone(1, 0, None), after=4) == [
+        RecordRestart(Reason.MANUAL, 0, None, "requested"),
+        Transitioned(State.RESTARTING, State.CLEANING, "manual"),
+        CleanHost(),
+    ]
+    assert len(d.m.ctx.restarts) == 0
+    # Many manual restarts never make a crash loop.
+    for _ in range(5):
+        d.bring_up()
+        d.send(RestartRequested(Reason.MANUAL))
+        assert of(ProfileChanged, d.send(ChildGone(d.launch, 0, None))) == []
+    assert d.m.ctx.profile == PRIMARY
+
+
+@pytest.mark.parametrize("path", [Drive.launching, Drive.loading, Drive.warming, Drive.degraded])
+def test_requested_restart_in_any_child_state_is_graceful(path: Callable[[Drive], Drive]) -> None:
+    d = path(Drive())
+    old = d.state
+    actions = d.send(RestartRequested(Reason.RELOAD))
+    assert transitions(actions) == [(old, State.RESTARTING)]
+    assert actions[-1] == StopChild(1, graceful=True)
+
+
+def test_reload_back_to_primary_on_the_fallback() -> None:
+    d = Drive(make_cfg(max_restarts=1)).ready()
+    d.crash()
+    assert d.m.ctx.profile == FALLBACK
+    d.backoff_elapsed()
+    d.bring_up()
+    actions = d.send(RestartRequested(Reason.RELOAD, back_to_primary=True))
+    assert actions == [
+        ProfileChanged(FALLBACK, PRIMARY),
+        Transitioned(State.READY, State.RESTARTING, "reload", "requested"),
+        *LAUNCH_TIMERS,
+        StopChild(d.launch, graceful=True),
+    ]
+    gone = d.send(ChildGone(d.launch, 0, None))
+    assert transitions(gone) == [(State.RESTARTING, State.CLEANING)]
+    assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
+
+
+def test_back_to_primary_on_primary_changes_no_profile() -> None:
+    d = Drive().ready()
+    actions = d.send(RestartRequested(Reason.RELOAD, back_to_primary=True))
+    assert not of(ProfileChanged, actions)
+
+
+def test_back_to_primary_clears_the_crash_history() -> None:
+    d = Drive(make_cfg(max_restarts=3, fallback=None)).ready()
+    _crash_loop(d, 2)
+    d.backoff_elapsed()
+    d.bring_up()
+    d.send(RestartRequested(Reason.RELOAD, back_to_primary=True))
+    d.send(ChildGone(d.launch, 0, None))
+    d.bring_up()
+    assert transitions(d.crash()) == []  # 1 of 3, not 3 of 3
+
+
+@pytest.mark.parametrize("reason", [Reason.MANUAL, Reason.RELOAD])
+def test_requested_restart_during_backoff_goes_now(reason: Reason) -> None:
+    d = Drive().backing_off()
+    assert d.send(RestartRequested(reason)) == [
+        CancelTimer(TimerName.BACKOFF),
+        Transitioned(State.RESTARTING, State.CLEANING, reason),
+        CleanHost(),
+    ]
+
+
+def test_requested_restart_while_the_old_child_is_still_stopping_waits() -> None:
+    d = Drive().restarting()
+    assert d.send(RestartRequested(Reason.MANUAL)) == []
+    assert d.state is State.RESTARTING
+
+
+@pytest.mark.parametrize("path", [lambda d: d, Drive.cleaning])
+def test_requested_restart_before_any_launch_does_nothing(path: Callable[[Drive], Drive]) -> None:
+    d = path(Drive())
+    state = d.state
+    assert d.send(RestartRequested(Reason.MANUAL)) == []
+    assert d.state is state
+
+
+def test_reload_in_failed_relaunches_on_the_same_profile_with_fresh_history() -> None:
+    d = Drive(make_cfg(max_restarts=1)).ready()
+    d.crash()  # -> fallback
+    d.backoff_elapsed()
+    d.bring_up()
+    d.crash()  # -> failed
+    assert d.state is State.FAILED
+    actions = d.send(RestartRequested(Reason.RELOAD))
+    assert actions == [
+        RecordRestart(Reason.RELOAD, None, None, "requested"),
+        Transitioned(State.FAILED, State.CLEANING, "reload"),
+        CleanHost(),
+    ]
+    assert d.m.ctx.profile == FALLBACK and len(d.m.ctx.restarts) == 0
+    assert d.m.ctx.backoff == 5.0
+
+
+def test_reload_back_to_primary_in_failed() -> None:
+    d = Drive(make_cfg(max_restarts=1)).ready()
+    d.crash()
+    d.backoff_elapsed()
+    d.bring_up()
+    d.crash()
+    actions = d.send(RestartRequested(Reason.RELOAD, back_to_primary=True))
+    assert actions[0] == ProfileChanged(FALLBACK, PRIMARY)
+    assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
+
+
+# ------------------------------------------------------------------------------ failed
+
+
+def _failed_by_crash_loop() -> Drive:
+    d = Drive(make_cfg(max_restarts=1, fallback=None)).ready()
+    d.crash()
+    return d.expect(State.FAILED)
+
+
+@pytest.mark.parametrize("make", [Drive.failed, lambda _: _failed_by_crash_loop()])
+def test_failed_ignores_everything_but_requests_and_stop(make: Callable[[Drive], Drive]) -> None:
+    d = make(Drive())
+    n = d.launch
+    for launch in (n, n + 1, n - 1):
+        for event in events(
+            Start(),
+            HostReady(),
+            HostNotReady("port busy"),
+            HostNotReady("stuck", wedged=True),
+            Launched(launch, PID),
+            LaunchFailed(launch, "boom"),
+            PortOpen(launch),
+            ReadyLine(launch),
+            FatalLog(launch, SCHEDULER_EXCEPTION),
+            ProbeDone(launch, ProbeKind.READINESS, ok_result()),
+            ProbeDone(launch, ProbeKind.LIVENESS, ok_result()),
+            ChildExited(launch, 1, None),
+            ChildGone(launch, 1, None),
+            *(TimerFired(name, launch) for name in TimerName),
+        ):
+            assert d.send(event, after=3600) == [], event
+            assert d.state is State.FAILED
+    assert transitions(d.send(RestartRequested(Reason.MANUAL))) == [(State.FAILED, State.CLEANING)]
+
+
+# ------------------------------------------------------------------------------ cleaning
+
+
+def test_host_not_ready_retries_with_backoff_and_a_status_update() -> None:
+    d = Drive().cleaning()
+    msg = "GPU 3 still holds 70 GiB after 60s"
+    assert d.send(HostNotReady(msg)) == [
+        Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", msg),
+        SetTimer(TimerName.CLEAN_RETRY, 5.0, 0),
+    ]
+    assert d.m.ctx.host_message == msg
+    assert d.send(TimerFired(TimerName.CLEAN_RETRY, 0), after=5) == [CleanHost()]
+    second = d.send(HostNotReady("127.0.0.1:30000 held by pid 99 (sglang.port)"))
+    assert of(SetTimer, second) == [SetTimer(TimerName.CLEAN_RETRY, 10.0, 0)]
+    d.send(TimerFired(TimerName.CLEAN_RETRY, 0), after=10)
+    assert transitions(d.send(HostReady())) == [(State.CLEANING, State.LAUNCHING)]
+    assert d.m.ctx.host_message == ""
+
+
+def test_clean_retry_is_capped_at_backoff_max() -> None:
+    d = Drive(make_cfg(backoff_max="20s")).cleaning()
+    delays = [of(SetTimer, d.send(HostNotReady("busy")))[0].delay for _ in range(5)]
+    assert delays == [5.0, 10.0, 20.0, 20.0, 20.0]
+
+
+def test_host_not_ready_wedged_fails() -> None:
+    d = Drive().cleaning()
+    actions = d.send(HostNotReady("process 77 survives SIGKILL", wedged=True))
+    assert transitions(actions) == [(State.CLEANING, State.FAILED)]
+    assert not of(SetTimer, actions)
+
+
+def test_clean_retry_outside_cleaning_is_ignored() -> None:
+    d = Drive().ready()
+    assert d.send(TimerFired(TimerName.CLEAN_RETRY, 1)) == []
+
+
+# ------------------------------------------------------------------------------ stopping
+
+
+STOP_PATHS: dict[str, tuple[Callable[[Drive], Drive], bool]] = {
+    "starting": (lambda d: d, False),
+    "cleaning": (Drive.cleaning, False),
+    "launching": (Drive.launching, True),
+    "loading": (Drive.loading, True),
+    "warming": (Drive.warming, True),
+    "ready": (Drive.ready, True),
+    "degraded": (Drive.degraded, True),
+    "restarting-child": (Drive.restarting, True),
+    "restarting-backoff": (Drive.backing_off, False),
+    "failed": (Drive.failed, False),
+}
+
+
+def test_stop_paths_cover_every_state_but_the_stop_states() -> None:
+    covered = {path(Drive()).state for path, _ in STOP_PATHS.values()}
+    assert covered == set(State) - {State.STOPPING, State.STOPPED}
+
+
+@pytest.mark.parametrize("name", list(STOP_PATHS))
+def test_stop_requested_from_every_state(name: str) -> None:
+    path, child = STOP_PATHS[name]
+    d = path(Drive())
+    old = d.state
+    actions = d.send(StopRequested())
+    head = [Transitioned(old, State.STOPPING, "SIGTERM"), *ALL_TIMERS]
+    if child:
+        assert actions == [*head, StopChild(d.launch, graceful=True)]
+        assert d.state is State.STOPPING
+        assert d.send(ChildGone(d.launch, 0, None), after=2) == [
+            Transitioned(State.STOPPING, State.STOPPED, "child_stopped"),
+            Exit(0),
+        ]
+    else:
+        assert actions == [
+            *head,
+            Transitioned(State.STOPPING, State.STOPPED, "no_child"),
+            Exit(0),
+        ]
+    assert d.state is State.STOPPED
+
+
+def test_second_stop_while_stopping_kills() -> None:
+    d = Drive().stopping()
+    assert d.send(StopRequested("SIGINT")) == [StopChild(1, graceful=False)]
+    assert d.send(StopRequested("SIGTERM")) == [StopChild(1, graceful=False)]
+    assert d.state is State.STOPPING
+
+
+def test_stopping_ignores_everything_but_child_gone() -> None:
+    d = Drive().stopping()
+    for event in events(
+        Start(),
+        HostReady(),
+        Launched(1, PID),
+        PortOpen(1),
+        ReadyLine(1),
+        FatalLog(1, SCHEDULER_EXCEPTION),
+        ChildExited(1, 0, None),
+        ProbeDone(1, ProbeKind.LIVENESS, ok_result()),
+        ProbeDone(1, ProbeKind.READINESS, ok_result()),
+        RestartRequested(Reason.MANUAL),
+        RestartRequested(Reason.RELOAD, back_to_primary=True),
+        *(TimerFired(name, 1) for name in TimerName),
+        ChildGone(0, 0, None),
+    ):
+        assert d.send(event) == [], event
+        assert d.state is State.STOPPING
+    assert of(Exit, d.send(ChildGone(1, 0, None))) == [Exit(0)]
+
+
+def test_stopped_is_final() -> None:
+    d = Drive().stopped()
+    for event in events(
+        StopRequested(),
+        StopRequested("SIGINT"),
+        Start(),
+        RestartRequested(Reason.MANUAL),
+        ChildGone(1, 0, None),
+        HostReady(),
+        TimerFired(TimerName.BACKOFF, 1),
+    ):
+        assert d.send(event) == [], event
+        assert d.state is State.STOPPED
+
+
+# ------------------------------------------------------------------------------ stale events
+
+
+def _relaunched() -> Drive:
+    """Launch 1 crashed and is gone; launch 2 is ready."""
+    d = Drive().ready()
+    d.crash()
+    d.backoff_elapsed()
+    d.bring_up()
+    assert d.launch == 2
+    return d
+
+
+STALE = [
+    Launched(1, PID),
+    LaunchFailed(1, "boom"),
+    PortOpen(1),
+    ReadyLine(1),
+    FatalLog(1, SCHEDULER_EXCEPTION),
+    ProbeDone(1, ProbeKind.READINESS, ZERO_TOKENS),
+    ProbeDone(1, ProbeKind.LIVENESS, failed_result()),
+    ChildExited(1, None, 9),
+    ChildGone(1, None, 9),
+    TimerFired(TimerName.LOAD, 1),
+    TimerFired(TimerName.LIVENESS, 1),
+    TimerFired(TimerName.BACKOFF, 1),
+    TimerFired(TimerName.PROBE_RETRY, 1),
+]
+
+
+@pytest.mark.parametrize("event", STALE, ids=[type(e).__name__ for e in STALE])
+@pytest.mark.parametrize("where", ["ready", "degraded", "warming"])
+def test_events_of_an_old_launch_are_ignored(event: Event, where: str) -> None:
+    d = _relaunched()
+    if where == "degraded":
+        d.liveness(failed_result())
+    elif where == "warming":
+        d.send(ChildExited(2, None, 9))
+        d.send(ChildGone(2, None, 9))
+        d.backoff_elapsed()
+        d.send(HostReady())
+        d.send(Launched(3, PID))
+        d.send(PortOpen(3))
+    state, child, failures = d.state, d.m.ctx.child, d.m.ctx.liveness_failures
+    assert d.send(event) == []
+    assert (d.state, d.m.ctx.child, d.m.ctx.liveness_failures) == (state, child, failures)
+
+
+def test_events_of_a_future_launch_are_ignored() -> None:
+    d = Drive().warming()
+    assert d.send(ProbeDone(2, ProbeKind.READINESS, ok_result())) == []
+    assert d.send(ChildExited(2, 1, None)) == []
+    assert d.state is State.WARMING
+
+
+def test_a_stale_backoff_timer_does_not_skip_the_next_backoff() -> None:
+    d = Drive(make_cfg(max_restarts=100)).ready()
+    d.crash()
+    d.send(RestartRequested(Reason.MANUAL))  # goes now; the backoff timer may already be queued
+    assert d.send(TimerFired(TimerName.BACKOFF, 1)) == []
+    assert d.state is State.CLEANING
+
+
+# -------------------------------------------------------- stale and out-of-order events
+
+
+def test_late_launch_failed_in_cleaning_is_ignored() -> None:
+    d = Drive().launching()
+    d.send(RestartRequested(Reason.MANUAL))
+    # The machine drops stale events by contract; this order must not crash the daemon's loop.
+    d.send(ChildGone(1, None, None))
+    d.expect(State.CLEANING)
+    assert d.send(LaunchFailed(1, "cannot start python")) == []
+
+
+def test_launch_failed_before_any_launch_is_ignored() -> None:
+    assert Drive().send(LaunchFailed(0, "boom")) == []
+
+
+@pytest.mark.parametrize("path", [Drive.loading, Drive.ready])
+def test_child_gone_without_a_stop_restarts(path: Callable[[Drive], Drive]) -> None:
+    d = path(Drive())
+    old = d.state
+    actions = d.send(ChildGone(1, 1, None))
+    assert transitions(actions) == [(old, State.RESTARTING)]
+    assert RecordRestart(Reason.EXITED, 1, None, "exit code 1") in actions
+
+
+def test_backoff_timer_waits_for_the_old_child() -> None:
+    d = Drive().ready()
+    d.send(RestartRequested(Reason.MANUAL))
+    assert d.m.ctx.child
+    assert d.send(TimerFired(TimerName.BACKOFF, 1)) == []
+    assert d.state is State.RESTARTING
+
+
+def test_duplicate_child_gone_is_not_a_second_restart() -> None:
+    d = Drive(make_cfg(max_restarts=2, fallback=None)).restarting()
+    d.send(ChildGone(1, None, 9))
+    assert d.send(ChildGone(1, None, 9)) == []
+    assert d.state is State.RESTARTING
+
+
+# ------------------------------------------------------------------------------ properties
+
+
+@dataclass
+class Invariants:
+    """Wraps a Machine; checks every handled event against the rules that must always hold."""
+
+    m: Machine
+    ready_evidence: bool = False  # a readiness probe of the current launch succeeded
+    launches: int = 0
+    exits: int = 0
+    owed_record: bool = False  # entered RESTARTING; RecordRestart must come before leaving
+    edges: set[tuple[State, State]] = field(default_factory=set)
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        m = self.m
+        before, launch, child, profile = m.state, m.ctx.launch, m.ctx.child, m.ctx.profile
+        actions = m.handle(event, now)
+        good_probe = (
+            isinstance(event, ProbeDone)
+            and event.kind is ProbeKind.READINESS
+            and event.result.ok
+            and event.launch == launch
+        )
+        self._check(event, before, child, profile, good_probe, actions)
+        return actions
+
+    def _check(
+        self,
+        event: Event,
+        before: State,
+        child_before: bool,
+        profile: str,
+        good_probe: bool,
+        actions: list[Action],
+    ) -> None:
+        m, cfg = self.m, self.m.cfg
+        if before is State.STOPPED:
+            assert actions == [], "STOPPED is final"
+        if before is State.FAILED and not isinstance(event, RestartRequested | StopRequested):
+            assert actions == [], f"FAILED acted on {event}"
+        if before in (State.STOPPING, State.STOPPED):
+            for a in actions:
+                assert (
+                    a == StopChild(m.ctx.launch, graceful=False)
+                    or a == Transitioned(State.STOPPING, State.STOPPED, "child_stopped")
+                    or a == Exit(0)
+                ), f"{a} while stopping"
+        if good_probe:
+            self.ready_evidence = True
+        state = before
+        became_ready = False
+        for a in actions:
+            match a:
+                case Transitioned():
+                    assert a.old is state, f"{a} does not start from {state}"
+                    status_only = a.old is a.new and a.old in (State.CLEANING, State.DEGRADED)
+                    assert status_only or a.new in EDGES[a.old], f"illegal edge {a}"
+                    if a.old is State.WARMING and a.new is State.READY:
+                        assert good_probe, f"ready on {event}, not on a readiness probe"
+                        became_ready = True
+                    if a.new is State.RESTARTING:
+                        self.owed_record = True
+                    if a.old is State.RESTARTING and a.new in (State.CLEANING, State.FAILED):
+                        assert not self.owed_record, "left RESTARTING without RecordRestart"
+                    if a.new is State.STOPPING:
+                        self.owed_record = False
+                    self.edges.add((a.old, a.new))
+                    state = a.new
+                case Launch():
+                    assert not child_before, "Launch while a child of the machine exists"
+                    assert a.launch == self.launches + 1
+                    assert a.profile == profile
+                    self.launches = a.launch
+                    self.ready_evidence = False
+                case RecordRestart():
+                    assert self.owed_record or before is State.FAILED, f"extra {a}"
+                    self.owed_record = False
+                case NotifyReady():
+                    assert became_ready
+                case Exit():
+                    assert a.code == 0
+                    self.exits += 1
+                    assert self.exits == 1, "Exit twice"
+                case StopChild():
+                    assert a.launch == m.ctx.launch and m.ctx.child
+                case SetTimer():
+                    assert a.launch == m.ctx.launch and a.delay >= 0
+                    if a.name is TimerName.LOAD:
+                        assert a.delay == cfg.readiness.load_timeout
+                    elif a.name is TimerName.LIVENESS:
+                        assert a.delay == cfg.liveness.interval
+                    elif a.name is TimerName.PROBE_RETRY:
+                        assert a.delay == PROBE_RETRY_DELAY
+                    else:
+                        assert a.delay <= cfg.restart.backoff_max
+                case ProfileChanged():
+                    assert a.old == profile and a.new != a.old
+                    profile = a.new
+                case _:
+                    pass
+        assert m.state is state
+        assert m.ctx.profile == profile and profile in cfg.profile_names
+        if m.state in SERVING:
+            assert self.ready_evidence, "serving without a good readiness probe of this launch"
+        if m.state in CHILD_STATES:
+            assert m.ctx.child, f"{m.state} without a child"
+        if m.state in (State.STARTING, State.CLEANING, State.FAILED, State.STOPPED):
+            assert not m.ctx.child, f"{m.state} with a child"
+        if m.state is State.STOPPED:
+            assert self.exits == 1
+
+
+CONFIGS = [
+    make_cfg(max_restarts=2, threshold=2),
+    make_cfg(max_restarts=3, fallback=None, threshold=1),
+    make_cfg(max_restarts=2, backoff_initial="0s", backoff_max="1s", window="30s"),
+]
+RESULTS = st.sampled_from(
+    [
+        *[ok_result()] * 4,
+        not_up_result(),
+        failed_result(),
+        ZERO_TOKENS,
+        failed_result("no_speculation", "spec_verify_ct is 0"),
+        failed_result("connection_lost", "Server disconnected"),
+    ]
+)
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@dataclass
+class World:
+    """The daemon as the machine sees it: a FIFO queue plus effects that finish later.
+
+    It follows daemon.py: a spawn answers Launched or LaunchFailed at once; StopChild for a
+    launch with no process answers ChildGone at once, and while a stop runs a second one is
+    only an escalation; a timer that fired sits in the queue even if cancelled afterwards.
+    """
+
+    inv: Invariants
+    data: Any
+    now: float = T0
+    queue: deque[Event] = field(default_factory=deque)
+    timers: dict[TimerName, tuple[TimerFired, float]] = field(default_factory=dict)
+    cleans: int = 0
+    probes: list[tuple[int, ProbeKind]] = field(default_factory=list)
+    stopping: int | None = None
+    alive: set[int] = field(default_factory=set)
+    spawned: int | None = None  # the daemon's `self.child`: the last successful spawn
+    told: set[tuple[str, int]] = field(default_factory=set)
+
+    @classmethod
+    def started(cls, inv: Invariants, data: Any) -> World:
+        world = cls(inv, data)
+        # The signal handlers are installed before the daemon queues Start(), so a SIGTERM
+        # during its preflight checks lands first.
+        if data.draw(st.integers(0, 49)) == 0:
+            world.queue.append(StopRequested())
+        world.queue.append(Start())
+        return world
+
+    @property
+    def m(self) -> Machine:
+        return self.inv.m
+
+    def draw(self, strategy: st.SearchStrategy[Any]) -> Any:
+        return self.data.draw(strategy)
+
+    def deliver(self) -> None:
+        event = self.queue.popleft()
+        for a in self.inv.handle(event, self.now):
+            self.perform(a)
+        # Never forget a live process: a leak survives the daemon.
+        assert not self.alive or (self.m.ctx.child and self.alive == {self.m.ctx.launch})
+
+    def perform(self, a: Action) -> None:
+        match a:
+            case CleanHost():
+                self.cleans += 1
+            case Launch():
+                assert not self.alive, "two SGLang launches at once"
+                if self.draw(st.integers(0, 9)) != 5:  # one spawn in ten fails
+                    self.alive.add(a.launch)
+                    self.spawned = a.launch
+                    self.queue.append(Launched(a.launch, PID + a.launch))
+                else:
+                    self.queue.append(LaunchFailed(a.launch, "cannot start python"))
+            case StartProbe():
+                self.probes.append((a.launch, a.kind))
+            case StopChild():
+                if self.spawned != a.launch:
+                    self.queue.append(ChildGone(a.launch, None, None))
+                elif self.stopping is None:
+                    self.stopping = a.launch
+            case SetTimer():
+                self.timers[a.name] = (TimerFired(a.name, a.launch), self.now + a.delay)
+            case CancelTimer():
+                self.timers.pop(a.name, None)
+            case _:
+                pass
+
+    def moves(self) -> list[str]:
+        """What may happen next, weighted: effects finish often, SGLang dies and operators act
+        rarely (else a run seldom gets as far as a liveness probe)."""
+        moves = ["clean"] * 30 * bool(self.cleans) + ["probe"] * 30 * bool(self.probes)
+        moves += ["stop_done"] * 30 * (self.stopping is not None)
+        # Cleaning, a probe (30 s at most) and a stop finish before the next timer is due.
+        moves += ["timer"] * 10 * bool(self.timers and not moves)
+        moves += ["deliver"] * 60 * bool(self.queue)
+        cur = self.spawned
+        if cur is not None and cur in self.alive:
+            moves += ["trouble"] * 2
+            moves += ["port"] * 30 * (("port", cur) not in self.told)
+            moves += ["ready_line"] * 10 * (("ready", cur) not in self.told)
+        # An operator acts more often on a degraded server (and so the runs reach its edges).
+        return [*moves, *["operator"] * (10 if self.m.state is State.DEGRADED else 1)]
+
+    def step(self, move: str) -> None:
+        self.now += 0.5  # timers move the clock further (to when they are due)
+        cur = self.spawned
+        match move:
+            case "deliver":
+                self.deliver()
+            case "timer":
+                # Time runs forward to the earliest armed timer.
+                name = min(self.timers, key=lambda n: self.timers[n][1])
+                event, due = self.timers.pop(name)
+                self.now = max(self.now, due)
+                self.queue.append(event)
+            case "clean":
+                self.cleans -= 1
+                self.queue.append(
+                    self.draw(
+                        st.sampled_from(
+                            [
+                                *[HostReady()] * 8,
+                                HostNotReady("GPU memory still held"),
+                                HostNotReady("GPU memory still held"),
+                                HostNotReady("stuck in D state", wedged=True),
+                            ]
+                        )
+                    )
+                )
+            case "probe":
+                launch, kind = self.probes.pop(0)
+                if kind is ProbeKind.READINESS:
+                    result = ok_result() if self.draw(st.booleans()) else self.draw(RESULTS)
+                    busy = False  # the daemon reads progress around liveness probes only
+                else:
+                    result, busy = self.draw(RESULTS), self.draw(st.booleans())
+                self.queue.append(ProbeDone(launch, kind, result, busy))
+            case "stop_done":
+                assert self.stopping is not None
+                self.alive.discard(self.stopping)
+                self.queue.append(ChildGone(self.stopping, None, 15))
+                self.stopping = None
+            case "trouble":
+                assert cur is not None
+                if self.draw(st.booleans()):
+                    self.alive.discard(cur)
+                    self.queue.append(ChildExited(cur, None, 9))
+                else:
+                    self.queue.append(FatalLog(cur, SCHEDULER_EXCEPTION))
+            case "port" | "ready_line":
+                assert cur is not None
+                self.told.add(("port" if move == "port" else "ready", cur))
+                self.queue.append(PortOpen(cur) if move == "port" else ReadyLine(cur))
+            case "operator":
+                what = self.draw(st.sampled_from(["manual", "reload", "primary", "sigterm"]))
+                self.queue.append(
+                    StopRequested()
+                    if what == "sigterm"
+                    else RestartRequested(
+                        Reason.MANUAL if what == "manual" else Reason.RELOAD, what == "primary"
+                    )
+                )
+
+    def quiescent(self) -> bool:
+        return not (
+            self.queue or self.timers or self.cleans or self.probes or self.stopping is not None
+        )
+
+    def drain(self) -> None:
+        """SIGTERM, then let every effect finish: the daemon must reach STOPPED and exit."""
+        self.queue.append(StopRequested())
+        for _ in range(500):
+            if self.queue:
+                self.deliver()
+            elif self.stopping is not None:
+                self.step("stop_done")
+            elif self.probes:
+                launch, kind = self.probes.pop(0)
+                self.queue.append(ProbeDone(launch, kind, failed_result()))
+            elif self.cleans:
+                self.cleans -= 1
+                self.queue.append(HostReady())
+            elif self.timers:
+                self.step("timer")
+            else:
+                break
+        assert self.m.state is State.STOPPED, f"SIGTERM left the machine in {self.m.state}"
+        assert self.inv.exits == 1 and not self.alive
+
+
+def _daemon_like_run(data: Any, cfg: Config, steps: int) -> World:
+    world = World.started(Invariants(Machine(cfg, T0)), data)
+    for _ in range(steps):
+        world.step(data.draw(st.sampled_from(world.moves())))
+        if world.quiescent():
+            # Nothing in flight and nothing queued: only FAILED and STOPPED may wait forever.
+            assert world.m.state in (State.FAILED, State.STOPPED), f"stuck in {world.m.state}"
+        if world.m.state is State.STOPPED:
+            break
+    world.drain()
+    return world
+
+
+@settings(SETTINGS, max_examples=50)
+@given(data=st.data(), cfg=st.sampled_from(CONFIGS), steps=st.integers(1, 120))
+def test_daemon_like_runs_keep_every_invariant(data: Any, cfg: Config, steps: int) -> None:
+    _daemon_like_run(data, cfg, steps)
+
+
+def test_daemon_like_runs_from_a_fixed_seed_reach_every_edge() -> None:
+    """The same property on 200 fixed runs, which must between them take every edge: random
+    runs are only as good as what they reach."""
+    edges: set[tuple[State, State]] = set()
+
+    @settings(SETTINGS, derandomize=True, max_examples=200)
+    @given(data=st.data(), cfg=st.sampled_from(CONFIGS), steps=st.integers(20, 120))
+    def run(data: Any, cfg: Config, steps: int) -> None:
+        edges.update(_daemon_like_run(data, cfg, steps).inv.edges)
+
+    run()
+    assert {(a, b) for a, b in edges if a is not b} == {
+        (old, new) for old, news in EDGES.items() for new in news
+    }
+
+
+# Arbitrary events in arbitrary order, launch ids around the current one.
+KINDS = [
+    "start",
+    "host_ready",
+    "host_not_ready",
+    "launched",
+    "launch_failed",
+    "port",
+    "ready_line",
+    "fatal",
+    "probe",
+    "exited",
+    "gone",
+    "timer",
+    "stop",
+    "restart",
+]
+
+
+def _any_event(data: Any, m: Machine) -> Event:
+    kind = data.draw(st.sampled_from(KINDS))
+    launch = m.ctx.launch + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    match kind:
+        case "start":
+            return Start()
+        case "host_ready":
+            return HostReady()
+        case "host_not_ready":
+            return HostNotReady("busy", data.draw(st.booleans()))
+        case "launched":
+            return Launched(launch, PID)
+        case "launch_failed":
+            return LaunchFailed(launch, "boom")
+        case "port":
+            return PortOpen(launch)
+        case "ready_line":
+            return ReadyLine(launch)
+        case "fatal":
+            return FatalLog(launch, SCHEDULER_EXCEPTION)
+        case "probe":
+            kind_ = data.draw(st.sampled_from(list(ProbeKind)))
+            return ProbeDone(launch, kind_, data.draw(RESULTS), data.draw(st.booleans()))
+        case "exited":
+            return ChildExited(launch, data.draw(st.sampled_from([None, 0, 1])), None)
+        case "gone":
+            return ChildGone(launch, None, data.draw(st.sampled_from([None, 9])))
+        case "timer":
+            name = data.draw(st.sampled_from(list(TimerName)))
+            return TimerFired(name, launch)
+        case "stop":
+            return StopRequested()
+        case _:
+            reason = data.draw(st.sampled_from([Reason.MANUAL, Reason.RELOAD]))
+            return RestartRequested(reason, data.draw(st.booleans()))
+
+
+def _arbitrary_run(data: Any, cfg: Config, n: int) -> Invariants:
+    inv = Invariants(Machine(cfg, T0))
+    now = T0
+    for _ in range(n):
+        now += data.draw(st.sampled_from([0.0, 0.25, 5.0, 60.0, 700.0, 4000.0]))
+        inv.handle(_any_event(data, inv.m), now)
+    return inv
+
+
+@SETTINGS
+@given(data=st.data(), cfg=st.sampled_from(CONFIGS), n=st.integers(1, 100))
+def test_arbitrary_events_keep_every_invariant(data: Any, cfg: Config, n: int) -> None:
+    _arbitrary_run(data, cfg, n)
+
+
+@settings(SETTINGS, derandomize=True, phases=[Phase.generate])
+@given(data=st.data(), cfg=st.sampled_from(CONFIGS), n=st.integers(1, 80))
+def test_arbitrary_events_from_a_fixed_seed(data: Any, cfg: Config, n: int) -> None:
+    _arbitrary_run(data, cfg, n)
