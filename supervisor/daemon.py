@@ -266,9 +266,12 @@ class Daemon:
             self._reload()
             return
         if isinstance(item, _Settle):
-            pattern = self.scanner.settle()
-            if pattern and self.child is not None and self.child.launch == item.launch:
-                self._dispatch(FatalLog(item.launch, pattern))
+            if (
+                self.scanner.settle()
+                and self.child is not None
+                and self.child.launch == item.launch
+            ):
+                self._dispatch(FatalLog(item.launch, self.scanner.evidence))
             return
         for action in self.machine.handle(item, self.clock()):
             self._do(action)
@@ -610,7 +613,7 @@ class Daemon:
             if verdict.ready:
                 self.queue.put_nowait(ReadyLine(launch))
             elif verdict.fatal:
-                self.queue.put_nowait(FatalLog(launch, verdict.fatal))
+                self.queue.put_nowait(FatalLog(launch, self.scanner.evidence[:300]))
             elif verdict.fatal_pending:
                 asyncio.get_running_loop().call_later(
                     FATAL_SETTLE_S, self.queue.put_nowait, _Settle(launch)

@@ -62,6 +62,10 @@ class LogScanner:
         self._fatal = [re.compile(p) for p in fatal_patterns]
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self._pending: str | None = None  # fatal pattern seen at the head of a traceback
+        self._head = ""  # that traceback's first line
+        # The line that proves the last fatal verdict (the exception line of a traceback), for
+        # the restart's detail: what on-call reads first.
+        self.evidence = ""
         self.lines = 0
 
     def feed(self, line: str) -> LineVerdict:
@@ -70,6 +74,7 @@ class LogScanner:
         if self._pending is not None:
             if _EXCEPTION_LINE.match(line.strip()):
                 fatal, self._pending = self._pending, None
+                self.evidence = line.strip()
                 return LineVerdict(fatal=fatal)
             return NOTHING
         if READY_LINE in line:
@@ -78,13 +83,17 @@ class LogScanner:
             if pattern.search(line):
                 if _TRACEBACK_START.search(line):
                     self._pending = pattern.pattern
+                    self._head = line.strip()
                     return LineVerdict(fatal_pending=True)
+                self.evidence = line.strip()
                 return LineVerdict(fatal=pattern.pattern)
         return NOTHING
 
     def settle(self) -> str | None:
         """The settle timer ran out: a pending traceback counts as fatal now."""
         fatal, self._pending = self._pending, None
+        if fatal is not None:
+            self.evidence = self._head
         return fatal
 
     def tail(self) -> list[str]:

@@ -130,7 +130,7 @@ class ReadyLine:
 @dataclass(frozen=True)
 class FatalLog:
     launch: int
-    pattern: str
+    line: str  # the line that proves it (a traceback's exception line)
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,7 @@ class Machine:
             case PortOpen() | ReadyLine() if self._current(event.launch):
                 return self._server_up(event, now)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
-                return self._restart(Reason.FATAL_LOG, now, event.pattern)
+                return self._restart(Reason.FATAL_LOG, now, event.line)
             case ChildExited() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.EXITED, now, _how(event.exit_code, event.signal))
             case ProbeDone() if self._current(event.launch):

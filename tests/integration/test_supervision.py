@@ -70,6 +70,9 @@ def test_seed_incident_is_never_ready_and_recovers(tmp_path: Path) -> None:
         assert "AttributeError: 'EAGLEWorkerV2' object has no attribute" in tail
         assert "spec_disable_batch_threshold" in tail
         assert st["restarts"] == {restart["reason"]: 1}
+        if restart["reason"] == "fatal_log":
+            # The detail is the line on-call needs, not the pattern that matched.
+            assert last["detail"].startswith("AttributeError: 'EAGLEWorkerV2'")
         metrics = d.get("/metrics").text
         assert f'kimi_serve_restarts_total{{reason="{restart["reason"]}"}} 1.0' in metrics
 

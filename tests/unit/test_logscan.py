@@ -343,3 +343,19 @@ def test_critical_wins_over_error() -> None:
 
 def test_streams() -> None:
     assert [s.value for s in Stream] == ["stdout", "stderr"]
+
+
+def test_evidence_is_the_exception_line_of_a_traceback() -> None:
+    s = scanner()
+    for line in INCIDENT:
+        s.feed(line)
+    assert s.evidence.startswith("AttributeError: 'EAGLEWorkerV2' object has no attribute")
+
+
+def test_evidence_of_a_single_line_and_of_a_settled_traceback() -> None:
+    s = scanner()
+    s.feed("[2026-11-30 01:02:03] Scheduler watchdog timeout (self.watchdog_timeout=300)")
+    assert "Scheduler watchdog timeout" in s.evidence
+    s.feed(INCIDENT[0])
+    s.settle()
+    assert s.evidence == INCIDENT[0].strip()
