@@ -76,6 +76,7 @@ EXTEND_EVERY_S = 10.0
 # Under a log flood, forward at most this many SGLang lines a second to our own log; every line
 # is still counted, scanned for fatal patterns and kept in the tail.
 FORWARD_PER_SECOND = 2000
+FORWARD_BURST = 500
 EVENTS_KEPT = 50
 
 
@@ -124,8 +125,9 @@ class Daemon:
         self._since_unix = time.time()
         self._ever_ready = False
         self._beat = clock()
-        self._forward_window = (0.0, 0)
+        self._forward = (float(FORWARD_BURST), clock())
         self._suppressed = 0
+        self._suppressed_since = 0.0
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # What /status shows.
         self.restarts: Tally[str] = Tally()
@@ -593,22 +595,26 @@ class Daemon:
     def _lines(self, launch: int, stream: Stream, lines: list[str]) -> None:
         self.metrics.log_lines.labels(stream.value).inc(len(lines))
         now = self.clock()
-        start, count = self._forward_window
-        if now - start >= 1.0:
-            if self._suppressed:
-                self.log.warning(
-                    "sglang log flood: lines not forwarded (still scanned)",
-                    suppressed=self._suppressed,
-                )
-                self.metrics.log_suppressed.inc(self._suppressed)
-            start, count, self._suppressed = now, 0, 0
+        # A token bucket refilled continuously: forwarding is spread over the second instead
+        # of one burst at its start, during which SGLang's pipe would fill.
+        tokens, last = self._forward
+        tokens = min(FORWARD_BURST, tokens + (now - last) * FORWARD_PER_SECOND)
+        if self._suppressed and now - self._suppressed_since >= 1.0:
+            self.log.warning(
+                "sglang log flood: lines not forwarded (still scanned)",
+                suppressed=self._suppressed,
+            )
+            self.metrics.log_suppressed.inc(self._suppressed)
+            self._suppressed = 0
         for line in lines:
             verdict = self.scanner.feed(line)
-            if count < FORWARD_PER_SECOND:
-                count += 1
+            if tokens >= 1.0:
+                tokens -= 1.0
                 level = guess_level(line)
                 getattr(self.sglog, level)(line, source="sglang", stream=stream.value)
             else:
+                if not self._suppressed:
+                    self._suppressed_since = now
                 self._suppressed += 1
             if verdict.ready:
                 self.queue.put_nowait(ReadyLine(launch))
@@ -618,7 +624,7 @@ class Daemon:
                 asyncio.get_running_loop().call_later(
                     FATAL_SETTLE_S, self.queue.put_nowait, _Settle(launch)
                 )
-        self._forward_window = (start, count)
+        self._forward = (tokens, now)
 
     # ============================================================ reload
 
@@ -665,12 +671,12 @@ class Daemon:
     async def _ticker(self) -> None:
         """WATCHDOG=1 while the loop is healthy; EXTEND_TIMEOUT_USEC while starting/stopping."""
         wd = watchdog_interval()
-        period = min(wd or 1.0, 1.0)
-        last_extend = -EXTEND_EVERY_S
+        last_extend = last_ping = -EXTEND_EVERY_S - (wd or 0.0)
         while True:
             now = self.clock()
-            if wd is not None and self.loop_healthy():
+            if wd is not None and now - last_ping >= wd and self.loop_healthy():
                 self.notifier.watchdog()
+                last_ping = now
             starting = not self._ever_ready and self.machine.state in STARTUP_STATES
             if (starting or self.machine.state is State.STOPPING) and (
                 now - last_extend >= EXTEND_EVERY_S
@@ -682,7 +688,7 @@ class Daemon:
                 self.notifier.status(self.status_line())
                 last_extend = now
             self._beat = now
-            await asyncio.sleep(period)
+            await asyncio.sleep(min(wd or 1.0, 1.0))
 
     # ============================================================ admin backend
 

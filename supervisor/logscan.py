@@ -24,11 +24,17 @@ _EXCEPTION_LINE = re.compile(
     r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?(?=[A-Z])\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
 )
 
+# (level, substrings one of which must occur, the regex that confirms it). The substring test
+# runs first: it is ten times cheaper than a regex that starts with \b, and most lines fail it.
 _LEVEL_WORDS = (
-    ("critical", re.compile(r"\b(CRITICAL|FATAL)\b")),
-    ("error", re.compile(r"\bERROR\b|Traceback \(most recent|^\w*(?:Error|Exception)\b")),
-    ("warning", re.compile(r"\bWARN(?:ING)?\b")),
-    ("debug", re.compile(r"\bDEBUG\b")),
+    ("critical", ("CRITICAL", "FATAL"), re.compile(r"\b(CRITICAL|FATAL)\b")),
+    (
+        "error",
+        ("ERROR", "Traceback", "Error", "Exception"),
+        re.compile(r"\bERROR\b|Traceback \(most recent|^\w*(?:Error|Exception)\b"),
+    ),
+    ("warning", ("WARN",), re.compile(r"\bWARN(?:ING)?\b")),
+    ("debug", ("DEBUG",), re.compile(r"\bDEBUG\b")),
 )
 
 
@@ -39,8 +45,8 @@ class Stream(StrEnum):
 
 def guess_level(line: str) -> str:
     """The level SGLang logged a line at, read from the line itself (default info)."""
-    for level, pattern in _LEVEL_WORDS:
-        if pattern.search(line):
+    for level, needles, pattern in _LEVEL_WORDS:
+        if any(n in line for n in needles) and pattern.search(line):
             return level
     return "info"
 

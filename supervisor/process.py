@@ -336,4 +336,4 @@ async def _wait_gone(targets: list[ProcessIdentity], timeout: float) -> list[Pro
         alive = [i for i in targets if live_process(i) is not None]
         if not alive or time.monotonic() >= deadline:
             return alive
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.005)

@@ -1608,7 +1608,7 @@ def test_daemon_like_runs_from_a_fixed_seed_reach_every_edge() -> None:
     runs are only as good as what they reach."""
     edges: set[tuple[State, State]] = set()
 
-    @settings(SETTINGS, derandomize=True, max_examples=200)
+    @settings(SETTINGS, derandomize=True, max_examples=500)
     @given(data=st.data(), cfg=st.sampled_from(CONFIGS), steps=st.integers(20, 120))
     def run(data: Any, cfg: Config, steps: int) -> None:
         edges.update(_daemon_like_run(data, cfg, steps).inv.edges)

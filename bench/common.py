@@ -1,0 +1,490 @@
+"""What every scenario needs: processes that are always cleaned up, a notify socket, a log
+follower, the serving watcher, statistics.
+
+All times are wall-clock seconds (`time.time()`): the daemons stamp their logs with wall
+time, and everything runs on one machine, so a kill, a log line and a datagram compare
+directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PYTHON = Path(sys.executable)
+# Every process the bench starts, and everything those start, inherits this variable; the
+# final sweep kills whatever still carries this run's value. It names the bench's pid, so a
+# later run can also remove what a SIGKILLed run (which could not clean up) left behind.
+MARKER = "KIMI_BENCH_RUN"
+RUN_ID = f"{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KIMI_SERVE_CONFIG"):
+        env.pop(name, None)
+    env[MARKER] = RUN_ID
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+class Procs:
+    """Every process the bench starts goes through here; `cleanup()` leaves none behind."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(
+        self,
+        argv: Sequence[str | os.PathLike[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdout: Any = subprocess.DEVNULL,
+        stderr: Any = subprocess.DEVNULL,
+        text: bool = False,
+        cwd: Path | None = None,
+        new_session: bool = True,
+    ) -> subprocess.Popen[Any]:
+        with self._lock:
+            # Once clean-up began (Ctrl-C, or the end of the run), a scenario still running
+            # in another thread must not start anything the sweep would miss.
+            if self._closed:
+                raise BenchError("the bench is shutting down")
+            proc = subprocess.Popen(
+                [os.fspath(a) for a in argv],
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=base_env(env),
+                cwd=cwd or REPO_ROOT,
+                text=text,
+                start_new_session=new_session,
+            )
+            self._procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[Any], timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL its process group."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+        return proc.returncode
+
+    def cleanup(self) -> list[str]:
+        """Stop everything started here, then sweep by marker. Returns what had to be killed
+        by the sweep (should be empty)."""
+        with self._lock:
+            self._closed = True
+            procs = list(self._procs)
+        for proc in reversed(procs):
+            self.stop(proc, timeout=10.0)
+        return sweep_marked()
+
+
+def marked(stale: bool = False) -> list[psutil.Process]:
+    """Live processes of this run; with `stale`, those of earlier runs whose bench is gone."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error):
+            value = proc.environ().get(MARKER)
+            if value is None or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if stale:
+                owner = value.partition(":")[0]
+                if value != RUN_ID and owner.isdigit() and not psutil.pid_exists(int(owner)):
+                    found.append(proc)
+            elif value == RUN_ID:
+                found.append(proc)
+    return found
+
+
+def sweep_marked(stale: bool = False) -> list[str]:
+    left = marked(stale)
+    names = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
+            proc.kill()
+    psutil.wait_procs(left, timeout=5)
+    return names
+
+
+# ---------------------------------------------------------------------------- notify socket
+
+
+class NotifySocket:
+    """A unix datagram socket passed as NOTIFY_SOCKET. Every datagram is kept with the time the
+    kernel queued it (SO_TIMESTAMPNS), so the bench's own thread scheduling never adds to it."""
+
+    _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux; Python lacks the name
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setsockopt(socket.SOL_SOCKET, self._SO_TIMESTAMPNS, 1)
+        self.messages: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(16))
+            except OSError:
+                return
+            now = time.time()
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == self._SO_TIMESTAMPNS:
+                    sec, nsec = struct.unpack("qq", raw[:16])
+                    now = sec + nsec / 1e9
+            with self._cond:
+                self.messages.append((now, data.decode("utf-8", "replace")))
+                self._cond.notify_all()
+
+    def wait(
+        self, pred: Callable[[str], bool], after: float, timeout: float
+    ) -> tuple[float, str] | None:
+        """The first datagram received after `after` that matches."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for t, msg in self.messages:
+                    if t >= after and pred(msg):
+                        return t, msg
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def count(self, pred: Callable[[str], bool], after: float = 0.0) -> int:
+        with self._cond:
+            return sum(1 for t, m in self.messages if t >= after and pred(m))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def is_ready_msg(msg: str) -> bool:
+    return "READY=1" in msg.split("\n")
+
+
+# ---------------------------------------------------------------------------- log following
+
+
+class Lines:
+    """Follows a process's stdout in a thread. JSON lines become events (dicts, with the
+    arrival time under `_arrived`); `skip` drops lines cheaply before parsing."""
+
+    def __init__(self, stream: Any, skip: Callable[[str], bool] | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.raw_tail: list[str] = []
+        self.skipped = 0
+        self._skip = skip
+        self._cond = threading.Condition()
+        self._eof = False
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            if self._skip is not None and self._skip(line):
+                self.skipped += 1
+                continue
+            now = time.time()
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                doc = None
+            with self._cond:
+                self.raw_tail.append(line)
+                del self.raw_tail[:-40]
+                if isinstance(doc, dict):
+                    doc["_arrived"] = now
+                    self.events.append(doc)
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wait(
+        self, pred: Callable[[dict[str, Any]], bool], timeout: float, start: int = 0
+    ) -> tuple[int, dict[str, Any]]:
+        """(index, event) of the first event from index `start` on that matches."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            i = start
+            while True:
+                while i < len(self.events):
+                    if pred(self.events[i]):
+                        return i, self.events[i]
+                    i += 1
+                left = deadline - time.monotonic()
+                if left <= 0 or self._eof:
+                    what = "ended" if self._eof else f"gave nothing matching in {timeout:g} s"
+                    raise BenchError(f"the log {what}; last lines: {''.join(self.raw_tail[-8:])}")
+                self._cond.wait(left)
+
+    def find(self, pred: Callable[[dict[str, Any]], bool], start: int = 0) -> list[dict[str, Any]]:
+        with self._cond:
+            return [e for e in self.events[start:] if pred(e)]
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self.events)
+
+
+class BenchError(RuntimeError):
+    """A scenario could not be measured; the message says why."""
+
+
+def iso_time(stamp: str) -> float:
+    """structlog's ISO stamp (UTC, microseconds) -> unix seconds."""
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+# ---------------------------------------------------------------------------- serving watcher
+
+
+class Observer:
+    """Runs bench/observe.py (see there) as a process; `prefix` runs it elsewhere (nsenter)."""
+
+    def __init__(
+        self,
+        procs: Procs,
+        port: int,
+        *,
+        timeout: float = 60.0,
+        decode: bool = True,
+        fresh: bool = True,
+        mode: str = "serve",
+        window: float = 20.0,
+        decode_timeout: float = 3.0,
+        readyz: str | None = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port),
+                "--timeout", str(timeout), "--mode", mode, "--window", str(window),
+                "--decode-timeout", str(decode_timeout)]
+        if readyz:
+            argv += ["--readyz", readyz]
+        if not decode:
+            argv.append("--no-decode")
+        if fresh:
+            argv.append("--fresh")
+        self.decode = decode
+        self.proc = procs.start(argv, stdout=subprocess.PIPE, text=True)
+        self.lines = Lines(self.proc.stdout)
+        self.lines.wait(lambda e: e.get("event") == "started", 10.0)
+
+    def event(self, *names: str, timeout: float) -> dict[str, Any]:
+        """The first of the named events (or `timeout`, which raises)."""
+        _, ev = self.lines.wait(lambda e: e.get("event") in (*names, "timeout"), timeout)
+        if ev.get("event") == "timeout":
+            raise BenchError(f"the watcher gave up waiting for {'/'.join(names)}")
+        return ev
+
+    def bind(self, timeout: float) -> float:
+        return float(self.event("bind", timeout=timeout)["t"])
+
+    def result(self, timeout: float) -> dict[str, float]:
+        """{"bind": t, "decode": t} (decode absent when not asked for)."""
+        self.event("decode" if self.decode else "bind", timeout=timeout)
+        return {e["event"]: float(e["t"]) for e in self.lines.find(
+            lambda e: e.get("event") in ("bind", "decode"))}
+
+    def readyz(self, timeout: float) -> float | None:
+        """When the daemon's /readyz first answered 200 (polled from the bind on)."""
+        try:
+            return float(self.event("readyz", "readyz_timeout", timeout=timeout)["t"])
+        except BenchError:
+            return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str, timeout: float = 2.0, method: str = "GET", body: str | None = None
+                ) -> int | None:
+    """Status code of one request (None: no answer). A fresh connection each time."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, u.path or "/", body, headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") -> bool:
+    """One decode of `tokens` tokens; True only if all came back in time."""
+    import http.client
+
+    body = json.dumps({"text": "Say hello in one word",
+                       "sampling_params": {"max_new_tokens": tokens, "temperature": 0}})
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        raw = response.read()
+        if response.status != 200:
+            return False
+        return bool(json.loads(raw)["meta_info"]["completion_tokens"] == tokens)
+    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.01,
+               what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise BenchError(f"{what}: not true within {timeout:g} s")
+        time.sleep(interval)
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+@dataclass
+class CpuSampler:
+    """Samples a process's CPU time in a thread, to integrate it over any window later."""
+
+    pid: int
+    interval: float = 0.01
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._proc = psutil.Process(self.pid)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                self.samples.append((time.time(), cpu_seconds(self._proc)))
+            self._stop.wait(self.interval)
+
+    def between(self, t0: float, t1: float) -> float:
+        """CPU seconds used in [t0, t1] (nearest samples)."""
+        if not self.samples:
+            return float("nan")
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        span = b[0] - a[0]
+        return (b[1] - a[1]) / span * (t1 - t0) if span > 0 else float("nan")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Stat:
+    n: int
+    median: float
+    lo: float  # minimum
+    hi: float  # maximum
+    p90: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Stat | None:
+        v = sorted(x for x in values if x == x)  # drop NaN
+        if not v:
+            return None
+        p90 = v[min(len(v) - 1, max(0, round(0.9 * (len(v) - 1))))]
+        return cls(len(v), statistics.median(v), v[0], v[-1], p90)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"n": self.n, "median": self.median, "min": self.lo, "max": self.hi,
+                "p90": self.p90}
+
+
+def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
+    """SIGKILL `pid` from a single-threaded helper process (bench/observe.py --mode kill),
+    which also watches a pidfd for the moment the process has exited. In the bench process
+    itself a thread could wait up to the interpreter's 5-ms switch interval for the GIL
+    between reading the clock and sending the signal, or before noting the exit.
+
+    Returns (kill time, a function that waits for and returns the exit time)."""
+    helper = procs.start([str(PYTHON), "-m", "bench.observe", "--mode", "kill", "--pid",
+                          str(pid), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    lines = Lines(helper.stdout)
+    _, ev = lines.wait(lambda e: e.get("event") in ("killed", "error"), 15.0)
+    if ev.get("event") == "error":
+        raise BenchError(f"cannot kill {pid}: {ev.get('detail')}")
+
+    def dead(timeout: float) -> float:
+        _, end = lines.wait(lambda e: e.get("event") in ("dead", "error"), timeout)
+        helper.wait(5)
+        if end.get("event") != "dead":
+            raise BenchError(f"process {pid} did not exit: {end.get('detail')}")
+        return float(end["t"])
+
+    return float(ev["t"]), dead

@@ -1,0 +1,180 @@
+"""kimi-serve under test: the real `kimi-serve run` process against the real stand-in.
+
+The config starts from the integration tests' `base_config` (tests/integration/harness.py)
+and changes only what a benchmark needs to be explicit about: the stand-in's load and warmup
+times, restart back-off 0 (so a recovery shows mechanism, not policy; production waits 5 s
+and the table says so), no crash-loop cut-off, and production liveness timings unless a
+scenario asks otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import (
+    PYTHON,
+    BenchError,
+    Lines,
+    NotifySocket,
+    Procs,
+    iso_time,
+)
+from supervisor import command
+from supervisor import config as config_mod
+from tests.integration.harness import base_config, kill_owned, owned_processes, wait_gone
+
+BIN = PYTHON.parent / "kimi-serve"
+
+# Production's liveness (etc/kimi-serve.yaml): a decode probe every 15 s, 20 s timeout, 3 strikes.
+PRODUCTION_LIVENESS = {"interval": "15s", "timeout": "20s", "failure_threshold": 3}
+
+
+def model_dir(work: Path) -> str:
+    """A directory that passes preflight's model check (config.json present)."""
+    d = work / "model"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text("{}\n")
+    return str(d)
+
+
+def bench_config(
+    work: Path,
+    *,
+    load_s: float,
+    warmup_s: float,
+    env: dict[str, str] | None = None,
+    liveness: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    standin_env = {
+        "STANDIN_LOAD_SECONDS": f"{load_s:g}",
+        "STANDIN_WARMUP_SECONDS": f"{warmup_s:g}",
+        "STANDIN_LAUNCH_COUNTER": str(work / "launches"),
+        "STANDIN_CRASH_SLEEP_SECONDS": "65",
+        **(env or {}),
+    }
+    cfg = base_config(
+        work,
+        sglang={"model_path": model_dir(work), "env": standin_env},
+        readiness={"load_timeout": "60s", "probe": {"timeout": "30s"}},
+        liveness=liveness or PRODUCTION_LIVENESS,
+        restart={"backoff_initial": "0s", "backoff_max": "1s",
+                 "crash_loop": {"max_restarts": 10_000, "window": "1h"}},
+        stop={"drain_timeout": "5s"},
+    )
+    for section, value in overrides.items():
+        if isinstance(value, dict) and isinstance(cfg.get(section), dict):
+            cfg[section].update(value)
+        else:
+            cfg[section] = value
+    return cfg
+
+
+def launch_spec(cfg: dict[str, Any], work: Path) -> command.LaunchSpec:
+    """The exact argv and env kimi-serve launches for this config: the baselines run the same."""
+    path = work / "argv-check.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return command.build(config_mod.load(str(path)))
+
+
+def _sglang_line(line: str) -> bool:
+    # SGLang's forwarded lines are most of the daemon's output under load; they are counted,
+    # not parsed.
+    return '"source": "sglang"' in line
+
+
+class KimiServe:
+    def __init__(
+        self,
+        procs: Procs,
+        work: Path,
+        cfg: dict[str, Any],
+        notify: NotifySocket | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.procs = procs
+        self.work = work
+        self.cfg = cfg
+        self.notify = notify
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: Lines | None = None
+        self.started_at = 0.0
+
+    @property
+    def admin(self) -> str:
+        return f"http://{self.cfg['admin']['listen']}"
+
+    @property
+    def port(self) -> int:
+        return int(self.cfg["sglang"]["port"])
+
+    @property
+    def owner(self) -> str:
+        return str(Path(self.cfg["state_dir"]).resolve())
+
+    def start(self) -> KimiServe:
+        path = self.work / "kimi-serve.yaml"
+        path.write_text(yaml.safe_dump(self.cfg))
+        env = dict(self.env)
+        if self.notify is not None:
+            env["NOTIFY_SOCKET"] = str(self.notify.path)
+        self.started_at = time.time()
+        self.proc = self.procs.start(
+            [BIN, "run", "--config", path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines = Lines(self.proc.stdout, skip=_sglang_line)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    # -- events --------------------------------------------------------------------------
+
+    def wait_state(self, new: str, timeout: float, start: int = 0) -> tuple[int, dict[str, Any]]:
+        assert self.lines is not None
+        return self.lines.wait(
+            lambda e: e.get("event") == "state" and e.get("new") == new, timeout, start
+        )
+
+    def wait_event(self, name: str, timeout: float, start: int = 0) -> tuple[int, dict[str, Any]]:
+        assert self.lines is not None
+        return self.lines.wait(lambda e: e.get("event") == name, timeout, start)
+
+    def states(self, start: int = 0) -> list[dict[str, Any]]:
+        assert self.lines is not None
+        return self.lines.find(lambda e: e.get("event") == "state", start)
+
+    def child_pid(self) -> int:
+        assert self.lines is not None
+        launched = self.lines.find(lambda e: e.get("event") == "launched sglang")
+        if not launched:
+            raise BenchError("kimi-serve launched no SGLang")
+        return int(launched[-1]["pid"])
+
+    @staticmethod
+    def at(event: dict[str, Any]) -> float:
+        return iso_time(event["timestamp"])
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def stop(self) -> list[int]:
+        """Stop the daemon (SIGTERM) and return the pids of any SGLang process left behind
+        (they are killed as well, but a leftover is a finding)."""
+        if self.proc is not None:
+            self.procs.stop(self.proc, timeout=30)
+        left = wait_gone(owned_processes(self.owner), timeout=5)
+        kill_owned(self.owner)
+        return [p.pid for p in left]

@@ -1,0 +1,222 @@
+"""The supervisord baseline: supervisord 4.3 (PyPI `supervisor`) running the stand-in.
+
+supervisord calls a program RUNNING once it has stayed up `startsecs` (1 s by default) and
+restarts it when it exits (`autorestart`). Its own log (millisecond timestamps) says when it
+noticed an exit, respawned, and called the program RUNNING.
+
+It lives in a virtualenv of its own, bench/.supervisord-venv, built on first use: the PyPI
+package's top-level module is also named `supervisor`, so installed into the project's venv
+it would shadow kimi-serve's package for every process started outside the repository.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from bench.common import REPO_ROOT, BenchError, Procs
+
+VERSION = "4.3.0"
+VENV = REPO_ROOT / "bench" / ".supervisord-venv"
+STAMP = VENV / ".bench-stamp"
+PROGRAM = "sglang"
+
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (\w+) (.*)$")
+
+
+class Unavailable(Exception):
+    """supervisord cannot be provided here; the message says why."""
+
+
+def ensure() -> Path:
+    """Path of the supervisord executable, building its venv if needed (needs the package
+    index once)."""
+    exe = VENV / "bin" / "supervisord"
+    if STAMP.exists() and STAMP.read_text().strip() == VERSION and exe.exists():
+        return exe
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    try:
+        subprocess.run([str(base), "-m", "venv", "--clear", str(VENV)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet",
+             "--disable-pip-version-check", f"supervisor=={VERSION}"],
+            check=True, capture_output=True, text=True, timeout=300,
+        )
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise Unavailable(f"cannot install supervisor=={VERSION} into {VENV}: "
+                          f"{detail.strip()[-300:]}") from None
+    STAMP.write_text(VERSION + "\n")
+    return exe
+
+
+class LogFollower:
+    """Follows supervisord's log file; each line becomes (unix time it was logged, text)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.path.exists() and not self._stop.is_set():
+            time.sleep(0.005)
+        partial = ""
+        with self.path.open() as f:
+            while not self._stop.is_set():
+                chunk = f.read()
+                if not chunk:
+                    time.sleep(0.005)
+                    continue
+                partial += chunk
+                *complete, partial = partial.split("\n")
+                parsed = [p for p in (_parse(line) for line in complete) if p is not None]
+                with self._cond:
+                    self.lines.extend(parsed)
+                    self._cond.notify_all()
+
+    def wait(self, pattern: str, timeout: float, start: int = 0) -> tuple[int, float, str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            i = start
+            while True:
+                while i < len(self.lines):
+                    t, text = self.lines[i]
+                    if rx.search(text):
+                        return i, t, text
+                    i += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    tail = "\n".join(t for _, t in self.lines[-8:])
+                    raise BenchError(f"supervisord never logged /{pattern}/; last lines:\n{tail}")
+                self._cond.wait(left)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self.lines)
+
+    def count(self, pattern: str, start: int = 0) -> int:
+        rx = re.compile(pattern)
+        with self._cond:
+            return sum(1 for _, t in self.lines[start:] if rx.search(t))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def _parse(line: str) -> tuple[float, str] | None:
+    m = _LINE.match(line)
+    if not m:
+        return None
+    # supervisord stamps local time with milliseconds.
+    t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+    return t, f"{m.group(3)} {m.group(4)}"
+
+
+def _env_value(value: str) -> str:
+    if '"' in value or "%" in value:
+        raise ValueError(f"cannot pass {value!r} through supervisord's environment=")
+    return f'"{value}"'
+
+
+class Supervisord:
+    def __init__(
+        self,
+        procs: Procs,
+        work: Path,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        startsecs: int = 1,
+    ) -> None:
+        self.procs = procs
+        self.work = work
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.exe = ensure()
+        self.log_path = work / "supervisord.log"
+        self.child_log = work / f"{PROGRAM}.log"
+        environment = ",".join(f"{k}={_env_value(v)}" for k, v in env.items())
+        command = " ".join(shlex.quote(a) for a in argv)
+        if "%" in command:
+            raise ValueError("supervisord would expand % in the command line")
+        (work / "supervisord.conf").write_text(f"""\
+[supervisord]
+nodaemon=true
+logfile={self.log_path}
+pidfile={work / "supervisord.pid"}
+childlogdir={work}
+loglevel=info
+
+[unix_http_server]
+file={work / "supervisor.sock"}
+
+[rpcinterface:supervisor]
+supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+
+[program:{PROGRAM}]
+command={command}
+directory={REPO_ROOT}
+environment={environment}
+autostart=true
+autorestart=true
+startsecs={startsecs}
+startretries=3
+stopasgroup=true
+killasgroup=true
+stopwaitsecs=3
+redirect_stderr=true
+stdout_logfile={self.child_log}
+""")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log: LogFollower | None = None
+
+    def start(self) -> Supervisord:
+        # No PYTHONPATH: the repository's `supervisor` package would shadow supervisord's own.
+        self.proc = self.procs.start(
+            [self.exe, "-c", self.work / "supervisord.conf"],
+            env={"PYTHONPATH": ""},
+            stdout=subprocess.DEVNULL,
+            stderr=(self.work / "supervisord.stderr").open("wb"),
+        )
+        self.log = LogFollower(self.log_path)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def wait(self, pattern: str, timeout: float, start: int = 0) -> tuple[int, float, str]:
+        assert self.log is not None
+        return self.log.wait(pattern, timeout, start)
+
+    def child_pid(self) -> int:
+        assert self.log is not None
+        spawned = [t for _, t in self.log.lines if f"spawned: '{PROGRAM}' with pid" in t]
+        if not spawned:
+            raise BenchError("supervisord has not spawned the program")
+        return int(spawned[-1].rsplit(" ", 1)[1])
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.procs.stop(self.proc, timeout=20)
+        if self.log is not None:
+            self.log.close()
+
+
+# The log lines, as supervisord 4.3 writes them.
+SPAWNED = rf"spawned: '{PROGRAM}' with pid"
+RUNNING = rf"success: {PROGRAM} entered RUNNING state"
+EXITED = rf"exited: {PROGRAM} "
