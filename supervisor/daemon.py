@@ -10,20 +10,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import signal
+import stat
+import threading
 import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from supervisor import __version__, admin, command, log, preflight
 from supervisor import config as config_mod
-from supervisor.config import Config, ConfigError
+from supervisor.config import Config, ConfigError, ConfigIssue
 from supervisor.identity import LaunchRecord, RecordStore
 from supervisor.logscan import LogScanner, Stream, guess_level
 from supervisor.machine import (
@@ -78,6 +81,12 @@ EXTEND_EVERY_S = 10.0
 FORWARD_PER_SECOND = 2000
 FORWARD_BURST = 500
 EVENTS_KEPT = 50
+# Reading the config (and SGLang's parser verdict on it) at SIGHUP; host checks before a launch.
+RELOAD_TIMEOUT_S = 120.0
+HOST_CHECK_TIMEOUT_S = 30.0
+# Leave this many file descriptors free before a launch (SGLang's pipes, pidfd, probes).
+FD_HEADROOM = 64
+LOOP_ERROR_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -86,11 +95,45 @@ class _Reload:
 
 
 @dataclass(frozen=True)
+class _Reloaded:
+    config: Config | ConfigError
+
+
+@dataclass(frozen=True)
 class _Settle:
     launch: int
 
 
-Item = Event | _Reload | _Settle
+Item = Event | _Reload | _Reloaded | _Settle
+
+T = TypeVar("T")
+
+
+async def in_thread(fn: Callable[[], T], timeout: float) -> T:
+    """Run blocking `fn` (file or mount access) in a daemon thread, at most `timeout` seconds.
+
+    Not asyncio.to_thread: a call stuck on a hung NFS mount would keep its pool thread, and
+    asyncio.run() waits for the pool at exit; a daemon thread is simply abandoned.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def work() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc  # `exc` is unbound after the except block; the callback runs later
+            loop.call_soon_threadsafe(settle, lambda: done.set_exception(error))
+        else:
+            loop.call_soon_threadsafe(settle, lambda: done.set_result(result))
+
+    threading.Thread(target=work, name="kimi-serve-io", daemon=True).start()
+    async with asyncio.timeout(timeout):
+        return await done
 
 
 class Daemon:
@@ -129,6 +172,7 @@ class Daemon:
         self._suppressed = 0
         self._suppressed_since = 0.0
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        self._loop_errors: dict[str, float] = {}
         # What /status shows.
         self.restarts: Tally[str] = Tally()
         self.last_restart: dict[str, Any] | None = None
@@ -146,6 +190,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.queue.put_nowait, StopRequested(sig.name))
         loop.add_signal_handler(signal.SIGHUP, self.queue.put_nowait, _Reload())
+        # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
+        loop.set_exception_handler(self._loop_exception)
+        raise_fd_limit()
         shutdown_admin: Callable[[], Any] | None = None
         try:
             # Started first: preflight runs SGLang's parser (seconds, up to minutes on a cold
@@ -169,7 +216,9 @@ class Daemon:
                 self._dispatch(await self.queue.get())
             return self._exit_code
         except Exception as exc:  # never leave SGLang behind, whatever went wrong here
-            self.log.error("internal error; stopping SGLang", error=repr(exc), exc_info=True)
+            # One line for the operator; the traceback only at debug level, for a bug report.
+            self.log.error("internal error; stopping SGLang", error=repr(exc))
+            self.log.debug("internal error traceback", exc_info=True)
             return 1
         finally:
             await self._teardown(shutdown_admin)
@@ -197,6 +246,10 @@ class Daemon:
             # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
             for g in self._gpu_status():
                 self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
+        if self.nvml is not None:
+            # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
+            for g in self._gpu_status():
+                self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
         gpu_count = self._gpu_count if self.nvml is not None else None
         checks, code = await asyncio.to_thread(preflight.startup_checks, self.cfg, gpu_count)
         for check in preflight.failures(checks):
@@ -220,6 +273,16 @@ class Daemon:
         from supervisor.nvml import select
 
         return len(select(self.nvml.snapshot(), self.cfg.gpus.devices))
+
+    def _loop_exception(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # One line, at most once a minute per message: asyncio's accept loop retries EMFILE
+        # many times a second.
+        message = str(context.get("message"))
+        now = self.clock()
+        if now - self._loop_errors.get(message, -LOOP_ERROR_EVERY_S) < LOOP_ERROR_EVERY_S:
+            return
+        self._loop_errors[message] = now
+        self.log.warning("event loop", message=message, error=repr(context.get("exception")))
 
     def _fatal(self, message: str, code: int) -> int:
         self.log.error(message)
@@ -255,17 +318,21 @@ class Daemon:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            self.log.error("internal task failed", error=repr(exc), exc_info=exc)
             # A broken effect must not leave the machine waiting forever: stop cleanly.
             self._internal_error = True
             self.queue.put_nowait(StopRequested("internal-error"))
+            self.log.error("internal task failed; stopping", error=repr(exc))
+            self.log.debug("internal task traceback", exc_info=exc)
 
     # ============================================================ the loop
 
     def _dispatch(self, item: Item) -> None:
         self._beat = self.clock()
         if isinstance(item, _Reload):
-            self._reload()
+            self._spawn(self._read_config())
+            return
+        if isinstance(item, _Reloaded):
+            self._apply_config(item.config)
             return
         if isinstance(item, _Settle):
             if (
@@ -356,6 +423,14 @@ class Daemon:
 
     async def _clean_host(self) -> None:
         """Leftovers of earlier launches gone, GPU memory free, port free: or say why not."""
+        try:
+            await self._clean_host_once()
+        except OSError as exc:
+            # EMFILE, a vanished /proc entry, an unreadable state dir: the host's problem, and
+            # one that can clear; never a reason to stop supervising.
+            self.queue.put_nowait(HostNotReady(f"cannot check the host: {exc}"))
+
+    async def _clean_host_once(self) -> None:
         record = self.store.load()
         recorded = set(record.processes) if record else set()
         leftovers = recorded | set(self.owner.marked_processes())
@@ -378,15 +453,33 @@ class Daemon:
         self.store.clear()
         # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
         spec = command.build(self.cfg, self.machine.ctx.profile)
-        if self.nvml is not None:
-            # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
-            for g in self._gpu_status():
-                self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
         gpu_count = self._gpu_count if self.nvml is not None else None
-        problems = preflight.failures(preflight.host_checks(self.cfg, [spec], gpu_count))
+        try:
+            checks = await in_thread(
+                lambda: preflight.host_checks(self.cfg, [spec], gpu_count), HOST_CHECK_TIMEOUT_S
+            )
+        except TimeoutError:
+            limit = f"{HOST_CHECK_TIMEOUT_S:g}s"
+            self.queue.put_nowait(
+                HostNotReady(f"model path checks did not return within {limit} (hung mount?)")
+            )
+            return
+        problems = preflight.failures(checks)
         if problems:
             self.queue.put_nowait(HostNotReady(preflight.summary(problems)))
             return
+        fds = _free_fds()
+        if fds is not None and fds < FD_HEADROOM:
+            # Spawning would fail with EMFILE and count as a crash; it is the host's problem
+            # (often a scraper leaking connections to the admin port) and it can clear.
+            self.queue.put_nowait(
+                HostNotReady(
+                    f"only {fds} file descriptors left to kimi-serve (RLIMIT_NOFILE); "
+                    "leaked admin connections?"
+                )
+            )
+            return
+
         if self.cfg.gpus.manage and self.nvml is not None:
             from supervisor import gpu
 
@@ -464,10 +557,10 @@ class Daemon:
 
     def _exited(self, child: Child) -> None:
         assert child.exit is not None
+        self.queue.put_nowait(ChildExited(child.launch, child.exit.exit_code, child.exit.signal))
         self.log.info(
             "sglang exited", pid=child.pid, exit_code=child.exit.exit_code, signal=child.exit.signal
         )
-        self.queue.put_nowait(ChildExited(child.launch, child.exit.exit_code, child.exit.signal))
 
     def _stop_child(self, action: StopChild) -> None:
         child = self.child
@@ -501,14 +594,19 @@ class Daemon:
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         spec = command.build(self.cfg, self.machine.ctx.profile)
         # SGLang's own token counter, read around the probe: if it advanced while the probe
-        # waited, the server is loaded, not hung (and the failure does not count).
-        before = await read_progress(self.http, base)
+        # timed out, the server is loaded, not hung (and the failure does not count). The first
+        # read runs beside the probe, so a frozen server costs one probe timeout, not more.
+        sample = min(2.0, timeout)
+        first = asyncio.get_running_loop().create_task(read_progress(self.http, base, sample))
         result = await probe(self.http, base, cfg, spec.speculative, timeout=timeout)
+        before = await first
         busy = False
-        if result.reason == "timeout":
-            busy = is_busy(result, before, await read_progress(self.http, base), cfg.max_tokens)
-        self._note_probe(kind, result, busy)
+        if result.reason == "timeout" and before is not None:
+            after = await read_progress(self.http, base, sample)
+            busy = is_busy(result, before, after, cfg.max_tokens)
+        # Queued before anything is logged: a broken log must never hide a verdict.
         self.queue.put_nowait(ProbeDone(launch, kind, result, busy))
+        self._note_probe(kind, result, busy)
 
     def _note_probe(self, kind: ProbeKind, result: ProbeResult, busy: bool) -> None:
         outcome = "ok" if result.ok else "failed"
@@ -628,15 +726,39 @@ class Daemon:
 
     # ============================================================ reload
 
-    def _reload(self) -> None:
+    async def _read_config(self) -> None:
+        """SIGHUP: read and check the file off the loop (a hung mount must not stall it)."""
         if self._ever_ready:
             self.notifier.reloading()
+        path = self.cfg.path
+
+        def read() -> Config:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError(path, [ConfigIssue("", None, "is not a regular file")])
+            new = config_mod.load(path)
+            # A flag the installed SGLang rejects makes the new config invalid too: refusing it
+            # here keeps the running server instead of trading it for a crash loop.
+            checks = preflight.run_checks(new)
+            problems = preflight.failures(checks, preflight.CONFIG)
+            if problems:
+                raise ConfigError(path, [ConfigIssue("", None, preflight.summary(problems))])
+            return new
+
+        result: Config | ConfigError
         try:
-            new = config_mod.load(self.cfg.path)
+            result = await in_thread(read, RELOAD_TIMEOUT_S)
         except ConfigError as exc:
+            result = exc
+        except (OSError, TimeoutError) as exc:
+            reason = str(exc) or f"no answer within {RELOAD_TIMEOUT_S:g}s (hung mount?)"
+            result = ConfigError(path, [ConfigIssue("", None, f"cannot read: {reason}")])
+        self.queue.put_nowait(_Reloaded(result))
+
+    def _apply_config(self, new: Config | ConfigError) -> None:
+        if isinstance(new, ConfigError):
             self.log.error(
                 "reload refused: keeping the running configuration",
-                errors=exc.render().splitlines(),
+                errors=new.render().splitlines(),
             )
             self._reloaded(f"{self.status_line()} (reload refused: config invalid)")
             return
@@ -782,7 +904,26 @@ class Daemon:
         }
 
 
+def _free_fds() -> int | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        return soft - len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: SGLang and the admin endpoint share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def _comparable(cfg: Config) -> Any:
+
     from dataclasses import replace
 
     return replace(cfg, path="")

@@ -6,6 +6,7 @@ Under systemd stdout is the journal; each line then starts with the sd-daemon pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -39,6 +40,35 @@ def _priority_prefix(_logger: Any, method: str, rendered: str) -> str:
     return f"<{PRIORITY.get(level, 6)}>{rendered}"
 
 
+class SafeStream:
+    """The log's stream, never raising: when stdout goes away (the journal restarting, a closed
+    pipe, a full disk) the daemon must go on supervising. Lost lines are counted."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lost = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):  # ValueError: write to a closed file
+            self.lost += 1
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
 def setup(
     fmt: str = "console",
     level: str = "info",
@@ -62,7 +92,7 @@ def setup(
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=structlog.PrintLoggerFactory(file=SafeStream(out)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 

@@ -286,10 +286,12 @@ def parse_progress(text: str) -> Progress | None:
     return None if tokens is None else Progress(tokens, running)
 
 
-async def read_progress(client: httpx.AsyncClient, base_url: str) -> Progress | None:
+async def read_progress(
+    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
+) -> Progress | None:
     try:
-        async with asyncio.timeout(2.0):
-            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=2.0)
+        async with asyncio.timeout(timeout):
+            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
     except (TimeoutError, httpx.HTTPError, OSError):
         return None
     if r.status_code != 200:
