@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from tests.integration.harness import (
+    BIN,
     base_config,
     owned_processes,
     running,
@@ -75,6 +77,17 @@ def test_seed_incident_is_never_ready_and_recovers(tmp_path: Path) -> None:
             assert last["detail"].startswith("AttributeError: 'EAGLEWorkerV2'")
         metrics = d.get("/metrics").text
         assert f'kimi_serve_restarts_total{{reason="{restart["reason"]}"}} 1.0' in metrics
+        # What on-call types: the human summary names the reason and shows the traceback.
+        out = subprocess.run(
+            [str(BIN), "status", "--config", str(d.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        assert f"Last restart: {restart['reason']}" in out.stdout
+        assert "AttributeError: 'EAGLEWorkerV2' object has no attribute" in out.stdout
+        assert "State: ready" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -285,10 +298,6 @@ def test_daemon_sigkill_then_restart_finds_previous_launch(tmp_path: Path) -> No
 
 
 def test_bad_config_exits_78(tmp_path: Path) -> None:
-    import subprocess
-
-    from tests.integration.harness import BIN
-
     path = tmp_path / "bad.yaml"
     path.write_text("sglang:\n  model_path: /m\n  port: 99999\n")
     r = subprocess.run(
