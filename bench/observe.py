@@ -49,10 +49,12 @@ def _emit(event: str, **fields: object) -> None:
 
 
 def _decode(conn: http.client.HTTPConnection, tokens: int) -> tuple[bool, str]:
-    body = json.dumps({
-        "text": "The capital city of France is",
-        "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
-    })
+    body = json.dumps(
+        {
+            "text": "The capital city of France is",
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
+        }
+    )
     conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     raw = response.read()
@@ -116,7 +118,12 @@ def kill(pid: int) -> int:
 
 
 def watch(
-    host: str, port: int, timeout: float, decode: bool, tokens: int, fresh: bool = False,
+    host: str,
+    port: int,
+    timeout: float,
+    decode: bool,
+    tokens: int,
+    fresh: bool = False,
     readyz: str | None = None,
 ) -> int:
     deadline = time.monotonic() + timeout
@@ -164,7 +171,8 @@ def watch(
     return 1
 
 
-def _health(host: str, port: int, timeout: float = 1.0) -> int | None:
+def health_status(host: str, port: int, timeout: float = 1.0) -> int | None:
+    """GET /health: its status, or None when nothing answered."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", "/health")
@@ -179,7 +187,7 @@ def _health(host: str, port: int, timeout: float = 1.0) -> int | None:
 
 def _wait_healthy(host: str, port: int, deadline: float) -> float | None:
     while time.monotonic() < deadline:
-        if _health(host, port) == 200:
+        if health_status(host, port) == 200:
             return time.time()
         time.sleep(0.05)
     return None
@@ -233,7 +241,7 @@ def hang(host: str, port: int, timeout: float, window: float) -> int:
     end = time.monotonic() + window
     statuses = []
     while time.monotonic() < end:
-        statuses.append(_health(host, port))
+        statuses.append(health_status(host, port))
         time.sleep(1.0)
     ok, _ = _one_decode(host, port, 1, 0.5)
     _emit("window", t=time.time(), health=statuses, decode_ok_at_end=ok)
@@ -250,8 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="count a bind only after a refusal")
     p.add_argument("--mode", choices=("serve", "broken", "hang", "kill"), default="serve")
     p.add_argument("--window", type=float, default=20.0, help="hang: seconds to keep watching")
-    p.add_argument("--decode-timeout", type=float, default=3.0,
-                   help="broken: how long a decode may take before it counts as failed")
+    p.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=3.0,
+        help="broken: how long a decode may take before it counts as failed",
+    )
     p.add_argument("--readyz", help="serve: also poll this URL from the bind until 200")
     p.add_argument("--pid", type=int, help="kill: the process to SIGKILL")
     a = p.parse_args(argv)

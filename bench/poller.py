@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import random
@@ -31,23 +30,12 @@ import sys
 import threading
 import time
 
+from bench.observe import health_status
+
 
 def _emit(event: str, **fields: object) -> None:
     sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
     sys.stdout.flush()
-
-
-def _health(port: int, timeout: float) -> int | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
 
 
 class Poller:
@@ -59,8 +47,7 @@ class Poller:
         self.stop = threading.Event()
 
     def spawn(self) -> None:
-        self.child = subprocess.Popen(self.a.argv, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
+        self.child = subprocess.Popen(self.a.argv, stdin=subprocess.DEVNULL, start_new_session=True)
         self.launch += 1
         _emit("spawned", pid=self.child.pid, launch=self.launch)
         threading.Thread(target=self.probe_loop, args=(self.launch,), daemon=True).start()
@@ -75,7 +62,7 @@ class Poller:
             next_at += self.a.period
             if launch != self.launch:
                 return
-            status = _health(self.a.port, self.a.timeout)
+            status = health_status("127.0.0.1", self.a.port, self.a.timeout)
             _emit("probe", status=status, launch=launch)
             if status == 200:
                 failures = 0
@@ -108,8 +95,11 @@ class Poller:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.poller", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.poller",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--period", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=1.0)

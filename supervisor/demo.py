@@ -18,20 +18,7 @@ from typing import TextIO
 
 from supervisor import config as config_mod
 from supervisor import log
-
-FAULTS = (
-    "seed-incident",
-    "decode-500",
-    "decode-zero-tokens",
-    "decode-hang",
-    "exit-after",
-    "crash-during-load",
-    "never-ready",
-    "orphans",
-    "ignore-sigterm",
-    "slow-decode",
-    "log-flood",
-)
+from supervisor.standin.faults import FAULTS
 
 TEMPLATE = """\
 # Written by `kimi-serve demo`: the stand-in plays SGLang; everything else is production code.
