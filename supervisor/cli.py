@@ -130,10 +130,13 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import status
 
+    # With --url the daemon is found without the config file.
+    if args.url:
+        return status.run_status_command(args.url, args.json, out, err)
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    return status.run_status_command(cfg, args.json, out, err, url=args.url)
+    return status.run_status_command(f"http://{cfg.admin.listen}", args.json, out, err)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
@@ -793,6 +793,14 @@ def parse(text: str, file: str) -> Config:
         logs=_logs(r, top.get("logs")),
         logging=_logging(r, top.get("logging")),
     )
+    restart_raw = top.get("restart")
+    if (
+        not (isinstance(restart_raw, dict) and "fallback_profile" in restart_raw)
+        and "fallback" in cfg.profiles
+    ):
+        # Unset: a profile named `fallback` is the fallback (the contract's example); without
+        # one a crash loop ends in `failed`. An explicit null always means `failed`.
+        cfg = replace(cfg, restart=replace(cfg.restart, fallback_profile="fallback"))
     if not r.issues:
         _cross_checks(r, cfg)
     if r.issues:

@@ -163,6 +163,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._launch_tasks: list[asyncio.Task[Any]] = []
         self._stopping: asyncio.Task[Any] | None = None
+        self._stopped_launch = 0
         self._exit_code: int | None = None
         self._internal_error = False
         self._since_unix = time.time()
@@ -290,7 +291,9 @@ class Daemon:
         return code
 
     async def _teardown(self, shutdown_admin: Callable[[], Any] | None) -> None:
-        if self.child is not None and (self.child.alive() or self._stopping is None):
+        # Whatever ended the loop, the current launch is stopped unless its stop completed
+        # (killpg and the sweep are idempotent).
+        if self.child is not None and self._stopped_launch != self.child.launch:
             with contextlib.suppress(Exception):
                 await self.owner.stop(self.child, graceful=False, drain_timeout=0)
                 self.store.clear()
@@ -584,7 +587,8 @@ class Daemon:
             else:
                 self.store.clear()
             self.metrics.child_start_time.set(0)
-            self.queue.put_nowait(ChildGone(child.launch, info.exit_code, info.signal))
+            self._stopped_launch = child.launch
+            self.queue.put_nowait(ChildGone(child.launch, info.exit_code, info.signal, info.stuck))
 
         self._stopping = self._spawn(stop())
 
@@ -765,6 +769,9 @@ class Daemon:
         if _comparable(new) == _comparable(self.cfg):
             self.log.info("reload: configuration unchanged")
             self._reloaded(self.status_line())
+            if self.machine.state is State.FAILED:
+                # `failed` lasts until a reload: the operator fixed the host, not the file.
+                self._dispatch(RestartRequested(Reason.RELOAD, back_to_primary=True))
             return
         if (new.admin, new.state_dir, new.logging) != (
             self.cfg.admin,
@@ -799,8 +806,7 @@ class Daemon:
             if wd is not None and now - last_ping >= wd and self.loop_healthy():
                 self.notifier.watchdog()
                 last_ping = now
-            starting = not self._ever_ready and self.machine.state in STARTUP_STATES
-            if (starting or self.machine.state is State.STOPPING) and (
+            if extends_job(self.machine.state, self._ever_ready) and (
                 now - last_extend >= EXTEND_EVERY_S
             ):
                 self.notifier.extend_timeout(
@@ -902,6 +908,19 @@ class Daemon:
             "intent": self.intent,
             "events": list(self.events),
         }
+
+
+def extends_job(state: State, ever_ready: bool) -> bool:
+    """Whether systemd's start (or stop) job is still running and must be extended.
+
+    Until the first READY=1 the start job runs: it is extended through loads, probes and the
+    backoffs between them, or a crash loop would time the start out before the fallback profile
+    is ever tried. Not in `failed`: a start that cannot succeed should fail, not hang
+    `systemctl start` for ever.
+    """
+    if state is State.STOPPING:
+        return True
+    return not ever_ready and state in (*STARTUP_STATES, State.RESTARTING)
 
 
 def _free_fds() -> int | None:

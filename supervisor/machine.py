@@ -155,6 +155,7 @@ class ChildGone:
     launch: int
     exit_code: int | None
     signal: int | None
+    stuck: tuple[int, ...] = ()  # pids that survive SIGKILL (D state)
 
 
 @dataclass(frozen=True)
@@ -568,6 +569,20 @@ class Machine:
     def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
         ctx = self.ctx
         ctx.child = False
+        if event.stuck:
+            # SIGKILL cannot reach a process stuck in the driver: its GPU memory stays held,
+            # so a relaunch would only fail. Say so and stop trying.
+            pids = ", ".join(str(p) for p in event.stuck)
+            detail = f"process {pids} survives SIGKILL (stuck in the kernel, D state)"
+            if ctx.state is State.STOPPING:
+                return [*self._to(State.STOPPED, "child_stuck", now, detail), Exit(1)]
+            if ctx.state is State.RESTARTING:
+                reason = ctx.pending or Reason.EXITED
+                ctx.pending = None
+                return [
+                    RecordRestart(reason, event.exit_code, event.signal, ctx.pending_detail),
+                    *self._to(State.FAILED, "process_stuck", now, detail),
+                ]
         if ctx.state is State.STOPPING:
             return [*self._to(State.STOPPED, "child_stopped", now), Exit(0)]
         if ctx.state is State.RESTARTING:

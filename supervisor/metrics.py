@@ -158,6 +158,7 @@ class Metrics:
         self.state_since.set(since_unix)
 
     def set_profile(self, profile: str, known: Iterable[str]) -> None:
+        self.profile.clear()  # a profile removed by a reload must not stay at 1
         for name in known:
             self.profile.labels(name).set(1 if name == profile else 0)
 

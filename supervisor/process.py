@@ -40,6 +40,9 @@ LAUNCH_ENV = "KIMI_SERVE_LAUNCH"
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20  # room for a burst of log lines while the loop is busy elsewhere
 _READ_CHUNK = 1 << 16
+# After SIGKILL a process is gone within milliseconds (a few seconds for a large CUDA context);
+# one still there after this is stuck in the kernel.
+STUCK_AFTER_KILL_S = 30.0
 
 LineSink = Callable[[int, Stream, list[str]], None]
 
@@ -48,6 +51,9 @@ LineSink = Callable[[int, Stream, list[str]], None]
 class ExitInfo:
     exit_code: int | None
     signal: int | None
+    # Processes of the launch still alive after SIGKILL: stuck in the kernel (D state, inside
+    # the GPU driver). No signal reaches them; relaunching on their GPUs is pointless.
+    stuck: tuple[int, ...] = ()
 
 
 @dataclass
@@ -283,8 +289,8 @@ class ProcessOwner:
     async def stop(self, child: Child, graceful: bool, drain_timeout: float) -> ExitInfo:
         """Stop the launch: SIGTERM + drain (if graceful), SIGKILL the group, sweep escapees.
 
-        Returns once no process of the launch is alive (or stuck beyond reach, logged by the
-        caller through `survivors()`).
+        Returns once no process of the launch is alive, or once STUCK_AFTER_KILL_S has passed
+        with some still there (stuck in the kernel; listed in ExitInfo.stuck).
         """
         self.refresh_tree(child)
         if graceful and child.alive():
@@ -298,15 +304,19 @@ class ProcessOwner:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)
         await self.sweep(child.known | set(self.marked_processes()))
-        await child.exited.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STUCK_AFTER_KILL_S):
+                await child.exited.wait()
         # Pipes close once every writer is dead; a writer we could not find must not hang us.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2.0):
                 await child.pipes_closed.wait()
         for pump in self._pumps.pop(child.launch, []):
             pump.close()
-        assert child.exit is not None
-        return child.exit
+        stuck = tuple(i.pid for i in self.survivors(child))
+        if child.exit is None:
+            return ExitInfo(None, None, stuck or (child.pid,))
+        return ExitInfo(child.exit.exit_code, child.exit.signal, stuck)
 
     async def sweep(
         self, identities: Iterable[ProcessIdentity], grace: float = 0.0, timeout: float = 5.0

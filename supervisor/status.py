@@ -9,8 +9,6 @@ from typing import Any, TextIO
 
 import httpx
 
-from supervisor.config import Config
-
 EX_READY, EX_NOT_READY, EX_UNREACHABLE = 0, 3, 4
 TAIL_SHOWN = 25
 
@@ -106,10 +104,7 @@ def render(doc: dict[str, Any], now: float) -> str:
     return "\n".join(out)
 
 
-def run_status_command(
-    cfg: Config, as_json: bool, out: TextIO, err: TextIO, url: str | None = None
-) -> int:
-    base = url or f"http://{cfg.admin.listen}"
+def run_status_command(base: str, as_json: bool, out: TextIO, err: TextIO) -> int:
     try:
         r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False)
         r.raise_for_status()

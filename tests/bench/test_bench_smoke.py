@@ -34,9 +34,22 @@ def test_quick_bench_runs_and_cleans_up(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "kimi-serve,health-poller",
-         "--json", str(out), "--markdown", str(md)],
-        cwd=REPO, capture_output=True, text=True, timeout=110,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--only",
+            "kimi-serve,health-poller",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -61,8 +74,16 @@ def test_quick_bench_runs_and_cleans_up(tmp_path: Path) -> None:
     assert all(not t["decode_ok"] and t["still_ready"] for t in poller["false_ready"])
     assert not poller["hang"][0]["detected"]
 
-    for title in ("Goals", "1. Readiness lag", "2. False ready", "3. Death detection",
-                  "4. Hang detection", "5. Recovery", "6. Log pump", "7. Footprint"):
+    for title in (
+        "Goals",
+        "1. Readiness lag",
+        "2. False ready",
+        "3. Death detection",
+        "4. Hang detection",
+        "5. Recovery",
+        "6. Log pump",
+        "7. Footprint",
+    ):
         assert title in done.stdout
         assert title in md.read_text()
     assert results["seconds"] < 30, f"--quick took {results['seconds']} s"

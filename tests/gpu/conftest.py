@@ -21,4 +21,3 @@ def procs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
-

@@ -190,10 +190,15 @@ def test_crash_loop_without_fallback_fails_and_stays_up(tmp_path: Path) -> None:
         metrics = d.get("/metrics").text
         assert 'kimi_serve_state{state="failed"} 1.0' in metrics
         assert "kimi_serve_child_starts_total 3.0" in metrics
-        # It relaunches nothing: a manual restart is the way out.
+        # It relaunches nothing: a manual restart, or a reload, is the way out.
         r = httpx.post(d.admin + "/restart", timeout=5)
         assert r.status_code == 202
         d.wait_state("cleaning")
+        d.wait_state("failed")  # the fault is on every launch: the same crash loop again
+        # A reload with the file unchanged (the operator fixed the host) relaunches too.
+        d.signal(signal.SIGHUP)
+        ev = d.wait_state("cleaning")
+        assert ev["reason"] == "reload"
         assert d.stop() == 0
 
 

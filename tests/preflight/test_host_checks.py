@@ -59,8 +59,10 @@ def test_a_wildcard_listener_blocks_loopback_too(tmp_path: Path) -> None:
 
 def test_a_foreign_address_and_an_unresolvable_host_are_host_problems() -> None:
     foreign = check_port("192.0.2.7", free_port())  # TEST-NET-1: never on this machine
-    assert not foreign.ok and foreign.kind == "host" and "not an address of this host" in (
-        foreign.message
+    assert (
+        not foreign.ok
+        and foreign.kind == "host"
+        and "not an address of this host" in (foreign.message)
     )
     nowhere = check_port("no-such-host.invalid", free_port())
     assert not nowhere.ok and nowhere.kind == "host" and "cannot resolve" in nowhere.message

@@ -105,11 +105,16 @@ def test_overlap_scheduler_off_is_reported(production: dict[str, LaunchSpec]) ->
 
 def test_resolved_values_that_differ_are_reported(production: dict[str, LaunchSpec]) -> None:
     info = server_info(
-        tp_size=4, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+        tp_size=4,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=8,
         attention_backend="triton",
     )
     assert [m.arg for m in compare(production["primary"], info, GOOD_META)] == [
-        "tp_size", "speculative_eagle_topk", "speculative_num_draft_tokens", "attention_backend",
+        "tp_size",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "attention_backend",
     ]
 
 
@@ -129,9 +134,15 @@ def test_fields_an_older_sglang_lacks_are_unknown_not_mismatched(
 
 
 def test_sglang_spellings_of_the_same_intent_match(make_config: MakeConfig) -> None:
-    spec = build(make_config(args={
-        "speculative-algorithm": "nextn", "attention-backend": "compressed", "tp-size": "2",
-    }))
+    spec = build(
+        make_config(
+            args={
+                "speculative-algorithm": "nextn",
+                "attention-backend": "compressed",
+                "tp-size": "2",
+            }
+        )
+    )
     info = {"speculative_algorithm": "EAGLE", "attention_backend": "dsv4", "tp_size": 2}
     assert compare(spec, info, {"spec_verify_ct": 5}) == []
     assert compare(spec, {**info, "speculative_algorithm": "NONE"}, None) == [
@@ -185,8 +196,10 @@ def test_the_standin_matches_its_own_launch(
     cfg = make_config(
         port=port,
         args={
-            "speculative-algorithm": "EAGLE3", "speculative-num-steps": 3,
-            "speculative-eagle-topk": 1, "speculative-num-draft-tokens": 4,
+            "speculative-algorithm": "EAGLE3",
+            "speculative-num-steps": 3,
+            "speculative-eagle-topk": 1,
+            "speculative-num-draft-tokens": 4,
             "attention-backend": "flashinfer",
         },
         profiles={"fallback": {"args": {"speculative-algorithm": None}}},
@@ -203,10 +216,15 @@ def test_the_standin_shows_a_mismatch_when_eagle_is_off(
     cfg = make_config(
         port=port,
         args={"speculative-algorithm": "EAGLE3", "speculative-eagle-topk": 1},
-        profiles={"quiet": {"args": {
-            "speculative-algorithm": None, "speculative-eagle-topk": None,
-            "disable-overlap-schedule": True,
-        }}},
+        profiles={
+            "quiet": {
+                "args": {
+                    "speculative-algorithm": None,
+                    "speculative-eagle-topk": None,
+                    "disable-overlap-schedule": True,
+                }
+            }
+        },
     )
     # The server really runs the "quiet" command line; the intent is primary's.
     got = run_standin(build(cfg, "quiet"), standins, port)

@@ -204,3 +204,23 @@ def test_probe_against_nothing_exits_1_with_a_readable_verdict() -> None:
     assert done.stdout.startswith(f"probe {url} (generate): FAILED (connect)")
     assert "cannot connect" in done.stdout
     assert "internal error" not in done.stderr
+
+
+def test_status_with_url_needs_no_config(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "kimi-serve"),
+            "status",
+            "--url",
+            f"http://127.0.0.1:{port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "KIMI_SERVE_CONFIG": str(tmp_path / "absent.yaml")},
+    )
+    assert done.returncode == 4, done.stderr
+    assert "cannot reach the daemon" in done.stderr

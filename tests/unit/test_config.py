@@ -502,3 +502,11 @@ def test_corpus_yaml_errors_are_really_yaml_errors() -> None:
     for file in BAD_DIR.glob("yaml-*.yaml"):
         with pytest.raises(yaml.YAMLError):
             yaml.safe_load(file.read_text())
+
+
+def test_a_profile_named_fallback_is_the_default_fallback() -> None:
+    base = "sglang: {model_path: /m}\nprofiles: {fallback: {args: {x: null}}}\n"
+    assert config.parse(base, "t.yaml").restart.fallback_profile == "fallback"
+    explicit_null = base + "restart: {fallback_profile: null}\n"
+    assert config.parse(explicit_null, "t.yaml").restart.fallback_profile is None
+    assert config.parse("sglang: {model_path: /m}\n", "t.yaml").restart.fallback_profile is None

@@ -1694,3 +1694,22 @@ def test_arbitrary_events_keep_every_invariant(data: Any, cfg: Config, n: int) -
 @given(data=st.data(), cfg=st.sampled_from(CONFIGS), n=st.integers(1, 80))
 def test_arbitrary_events_from_a_fixed_seed(data: Any, cfg: Config, n: int) -> None:
     _arbitrary_run(data, cfg, n)
+
+
+def test_a_child_stuck_after_sigkill_ends_in_failed_not_a_relaunch() -> None:
+    d = Drive().ready()
+    d.send(ChildExited(1, None, 9))
+    actions = d.send(ChildGone(1, None, 9, stuck=(4242,)))
+    assert d.state is State.FAILED
+    assert any(isinstance(a, RecordRestart) and a.reason is Reason.EXITED for a in actions)
+    assert not any(isinstance(a, (SetTimer, CleanHost, Launch)) for a in actions)
+    failed = [a for a in actions if isinstance(a, Transitioned) and a.new is State.FAILED]
+    assert failed and "4242" in failed[0].detail
+
+
+def test_a_child_stuck_at_stop_exits_1() -> None:
+    d = Drive().ready()
+    d.send(StopRequested())
+    actions = d.send(ChildGone(1, None, 9, stuck=(4242,)))
+    assert d.state is State.STOPPED
+    assert Exit(1) in actions

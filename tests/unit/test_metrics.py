@@ -1,0 +1,38 @@
+"""The metrics registry: series that exist from the first scrape, one-hot gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from supervisor.machine import Reason, State
+from supervisor.metrics import Metrics
+
+
+def sample(m: Metrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_every_reason_exists_at_zero_before_any_restart() -> None:
+    m = Metrics(CollectorRegistry())
+    for reason in Reason:
+        assert sample(m, "kimi_serve_restarts_total", reason=reason.value) == 0.0
+
+
+def test_state_is_one_hot() -> None:
+    m = Metrics(CollectorRegistry())
+    m.set_state(State.DEGRADED, 1.0)
+    values = {s: sample(m, "kimi_serve_state", state=s.value) for s in State}
+    assert values.pop(State.DEGRADED) == 1.0 and set(values.values()) == {0.0}
+    assert sample(m, "kimi_serve_ready") == 1.0
+    m.set_state(State.RESTARTING, 2.0)
+    assert sample(m, "kimi_serve_ready") == 0.0
+
+
+def test_a_profile_removed_by_a_reload_does_not_stay_at_one() -> None:
+    m = Metrics(CollectorRegistry())
+    m.set_profile("fallback", ["primary", "fallback"])
+    assert sample(m, "kimi_serve_profile_info", profile="fallback") == 1.0
+    m.set_profile("primary", ["primary", "safe"])
+    assert sample(m, "kimi_serve_profile_info", profile="fallback") is None
+    assert sample(m, "kimi_serve_profile_info", profile="primary") == 1.0
+    assert sample(m, "kimi_serve_profile_info", profile="safe") == 0.0
