@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -240,19 +239,6 @@ def parse_duration(value: object) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"{value!r} is too long for a duration")
     return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """`1h`, `5m`, `500ms` where exact, else seconds; `parse_duration` reads it back exactly."""
-    for unit, size in (("h", 3600.0), ("m", 60.0)):
-        count = int(seconds // size) if seconds >= size else 0
-        if count and count * size == seconds:
-            return f"{count}{unit}"
-    if 0 < seconds < 1 and (ms := round(seconds * 1000)) * _UNIT_SECONDS["ms"] == seconds:
-        return f"{ms}ms"
-    # Positional notation: the regex takes no exponent, and repr's digits read back exactly.
-    text = f"{Decimal(repr(float(seconds))):f}"
-    return f"{text.rstrip('0').rstrip('.') if '.' in text else text}s"
 
 
 def parse_listen(value: str) -> tuple[str, int]:

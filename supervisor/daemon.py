@@ -13,21 +13,19 @@ import os
 import resource
 import signal
 import stat
-import threading
 import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
-from supervisor import __version__, admin, command, log, preflight
+from supervisor import __version__, admin, command, gpu, intent, log, nvml, preflight
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError, ConfigIssue
-from supervisor.identity import LaunchRecord, RecordStore
+from supervisor.identity import LaunchRecord, RecordStore, owner_marker
 from supervisor.logscan import LogScanner, Stream, guess_level
 from supervisor.machine import (
     STARTUP_STATES,
@@ -68,7 +66,8 @@ from supervisor.machine import (
 from supervisor.metrics import Metrics
 from supervisor.notify import Notifier, watchdog_interval
 from supervisor.probe import ProbeResult, is_busy, probe, read_progress, server_url
-from supervisor.process import Child, ProcessOwner, port_holder, wait_port_open
+from supervisor.process import Child, ProcessOwner, wait_port_open
+from supervisor.threads import in_thread
 
 # A traceback is one log record over many lines; wait this long for its last line (the
 # exception) before acting on its first, so the log tail keeps the line on-call needs.
@@ -83,6 +82,8 @@ FORWARD_BURST = 500
 EVENTS_KEPT = 50
 # Reading the config (and SGLang's parser verdict on it) at SIGHUP; host checks before a launch.
 RELOAD_TIMEOUT_S = 120.0
+# SGLang's parser gets 180 s of its own (a cold disk, a slow import); the rest is paths and GPUs.
+PREFLIGHT_TIMEOUT_S = 240.0
 HOST_CHECK_TIMEOUT_S = 30.0
 # Leave this many file descriptors free before a launch (SGLang's pipes, pidfd, probes).
 FD_HEADROOM = 64
@@ -106,35 +107,6 @@ class _Settle:
 
 Item = Event | _Reload | _Reloaded | _Settle
 
-T = TypeVar("T")
-
-
-async def in_thread(fn: Callable[[], T], timeout: float) -> T:
-    """Run blocking `fn` (file or mount access) in a daemon thread, at most `timeout` seconds.
-
-    Not asyncio.to_thread: a call stuck on a hung NFS mount would keep its pool thread, and
-    asyncio.run() waits for the pool at exit; a daemon thread is simply abandoned.
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not done.done():
-            outcome()
-
-    def work() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting coroutine
-            error = exc  # `exc` is unbound after the except block; the callback runs later
-            loop.call_soon_threadsafe(settle, lambda: done.set_exception(error))
-        else:
-            loop.call_soon_threadsafe(settle, lambda: done.set_result(result))
-
-    threading.Thread(target=work, name="kimi-serve-io", daemon=True).start()
-    async with asyncio.timeout(timeout):
-        return await done
-
 
 class Daemon:
     def __init__(
@@ -153,7 +125,7 @@ class Daemon:
         self.metrics = metrics or Metrics(gpu_snapshot=self._gpu_status)
         self.machine = Machine(cfg, clock())
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.owner = ProcessOwner(str(Path(cfg.state_dir).resolve()), self._lines, self._exited)
+        self.owner = ProcessOwner(owner_marker(cfg.state_dir), self._lines, self._exited)
         self.store = RecordStore(cfg.state_dir)
         self.scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
         self.child: Child | None = None
@@ -235,11 +207,9 @@ class Daemon:
                 1,
             )
         if self.cfg.gpus.manage:
-            from supervisor.nvml import NvmlUnavailable, open_nvml
-
             try:
-                self.nvml = open_nvml()
-            except NvmlUnavailable as exc:
+                self.nvml = nvml.open_nvml()
+            except nvml.NvmlUnavailable as exc:
                 return self._fatal(
                     f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}", 1
                 )
@@ -247,12 +217,13 @@ class Daemon:
             # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
             for g in self._gpu_status():
                 self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
-        if self.nvml is not None:
-            # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
-            for g in self._gpu_status():
-                self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
         gpu_count = self._gpu_count if self.nvml is not None else None
-        checks, code = await asyncio.to_thread(preflight.startup_checks, self.cfg, gpu_count)
+        try:
+            checks, code = await in_thread(
+                lambda: preflight.startup_checks(self.cfg, gpu_count), PREFLIGHT_TIMEOUT_S
+            )
+        except TimeoutError:
+            return self._fatal(f"preflight did not finish within {PREFLIGHT_TIMEOUT_S:g}s", 1)
         for check in preflight.failures(checks):
             self.log.error(
                 "preflight",
@@ -265,15 +236,14 @@ class Daemon:
             # A flag SGLang rejects, a missing interpreter: no restart fixes it, so exit 78
             # (RestartPreventExitStatus=) instead of failing ten minutes into a load.
             return self._fatal(preflight.summary(checks), code)
-        version = await asyncio.to_thread(preflight.sglang_version_for, self.cfg)
-        self.sglang_version = version or "unknown"
+        with contextlib.suppress(TimeoutError):
+            version = await in_thread(lambda: preflight.sglang_version_for(self.cfg), 60.0)
+            self.sglang_version = version or "unknown"
         self.metrics.set_sglang_version(self.sglang_version)
         return None
 
     def _gpu_count(self) -> int:
-        from supervisor.nvml import select
-
-        return len(select(self.nvml.snapshot(), self.cfg.gpus.devices))
+        return len(nvml.select(self.nvml.snapshot(), self.cfg.gpus.devices))
 
     def _loop_exception(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # One line, at most once a minute per message: asyncio's accept loop retries EMFILE
@@ -484,8 +454,6 @@ class Daemon:
             return
 
         if self.cfg.gpus.manage and self.nvml is not None:
-            from supervisor import gpu
-
             # No launch of ours runs during cleaning, so nothing is `current`.
             report = await gpu.clean(
                 self.cfg.gpus,
@@ -504,9 +472,10 @@ class Daemon:
             if not report.ok:
                 self.queue.put_nowait(HostNotReady(report.message, wedged=bool(report.wedged)))
                 return
-        holder = port_holder(self.cfg.sglang.host, self.cfg.sglang.port)
-        if holder:
-            self.queue.put_nowait(HostNotReady(f"{holder} (sglang.port)"))
+        # After GPU cleaning: a leftover SGLang found only there may be what holds the port.
+        port = preflight.check_port(self.cfg.sglang.host, self.cfg.sglang.port)
+        if not port.ok:
+            self.queue.put_nowait(HostNotReady(f"{port.message} (sglang.port)"))
             return
         self.queue.put_nowait(HostReady())
 
@@ -579,11 +548,8 @@ class Daemon:
 
         async def stop() -> None:
             info = await self.owner.stop(child, action.graceful, self.cfg.stop.drain_timeout)
-            survivors = self.owner.survivors(child)
-            if survivors:
-                self.log.error(
-                    "processes survive SIGKILL (D state?)", pids=[i.pid for i in survivors]
-                )
+            if info.stuck:
+                self.log.error("processes survive SIGKILL (D state?)", pids=list(info.stuck))
             else:
                 self.store.clear()
             self.metrics.child_start_time.set(0)
@@ -636,10 +602,6 @@ class Daemon:
             self.log.debug("probe ok", kind=kind.value, latency_s=result.latency_s)
 
     async def _check_intent(self, action: CheckIntent) -> None:
-        try:
-            from supervisor import intent
-        except ImportError:
-            return
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         info: dict[str, Any] | None = None
         for path in ("/server_info", "/get_server_info"):
@@ -862,11 +824,9 @@ class Daemon:
         at, cached = self._gpus_cache
         if self.clock() - at < 2.0 and cached:
             return cached
-        from supervisor.nvml import gpu_status, select
-
         try:
-            snaps = select(self.nvml.snapshot(), self.cfg.gpus.devices)
-            cached = gpu_status(snaps)
+            snaps = nvml.select(self.nvml.snapshot(), self.cfg.gpus.devices)
+            cached = nvml.gpu_status(snaps)
         except Exception as exc:  # a lost GPU must not break /status or /metrics
             self.log.warning("gpu snapshot failed", error=str(exc))
             cached = []

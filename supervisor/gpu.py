@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
@@ -37,6 +36,7 @@ from supervisor.identity import (
     descendants,
     identity_of,
     live_process,
+    owner_marker,
     signal_identity,
 )
 from supervisor.nvml import (
@@ -49,6 +49,7 @@ from supervisor.nvml import (
     open_nvml,
     select,
 )
+from supervisor.threads import in_thread
 
 # Two psutil reads of one process's create time agree far better than this (identity.py).
 _SAME_START = 0.05
@@ -350,8 +351,7 @@ def _per_gpu(counts: Mapping[int, int]) -> str:
 async def _snapshot(nvml: Nvml, devices: str | tuple[int | str, ...]) -> list[GpuSnapshot]:
     # NVML blocks in the driver; a hung GPU must not stall the daemon's loop (and its watchdog).
     try:
-        async with asyncio.timeout(NVML_CALL_TIMEOUT):
-            snaps = await asyncio.to_thread(nvml.snapshot)
+        snaps = await in_thread(nvml.snapshot, NVML_CALL_TIMEOUT)
     except TimeoutError:
         raise NvmlUnavailable(
             f"NVML did not answer within {NVML_CALL_TIMEOUT:g}s: the driver or a GPU is hung "
@@ -580,11 +580,6 @@ def _ok_message(
 # --------------------------------------------------------------------------------------------
 # `kimi-serve gpu-clean`
 # --------------------------------------------------------------------------------------------
-
-
-def owner_marker(state_dir: str) -> str:
-    """The KIMI_SERVE_OWNER value the daemon gives its launches (see daemon.py)."""
-    return str(Path(state_dir).resolve())
 
 
 def _daemon_uid(state_dir: str) -> int:

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import tempfile
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +36,11 @@ class ProcessIdentity:
             return abs(proc.create_time() - self.create_time) < _CREATE_TIME_SLACK
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
+
+
+def owner_marker(state_dir: str) -> str:
+    """The OWNER_ENV value of a daemon's launches: its state directory, resolved."""
+    return str(Path(state_dir).resolve())
 
 
 def identity_of(pid: int) -> ProcessIdentity | None:
@@ -149,9 +153,3 @@ class RecordStore:
     def clear(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-
-
-def merge(
-    known: Iterable[ProcessIdentity], new: Iterable[ProcessIdentity]
-) -> tuple[ProcessIdentity, ...]:
-    return tuple(sorted(set(known) | set(new)))

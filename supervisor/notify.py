@@ -13,13 +13,10 @@ class Notifier:
     def __init__(self) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._sd = sdnotify.SystemdNotifier() if self.enabled else None
-        self.sent: list[str] = []  # the last messages, for tests and /status debugging
 
     def _send(self, message: str) -> None:
         if self._sd is not None:
             self._sd.notify(message)
-        self.sent.append(message)
-        del self.sent[:-50]
 
     def ready(self, status: str) -> None:
         self._send(f"READY=1\nSTATUS={status}")

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -64,7 +62,6 @@ class Child:
     popen: subprocess.Popen[bytes]
     identity: ProcessIdentity
     started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
-    owner: str
     known: set[ProcessIdentity] = field(default_factory=set)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     pipes_closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -77,33 +74,6 @@ class Child:
 
     def alive(self) -> bool:
         return self.exit is None
-
-
-def port_holder(host: str, port: int) -> str | None:
-    """None if host:port can be bound now; else a sentence naming who holds it (if visible).
-
-    SGLang binds its port only after the model has loaded: a port held by a leftover process
-    fails the launch ten minutes in (sglang-facts.md), so this is checked before launching.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return None
-        except OSError as exc:
-            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                return f"cannot bind {host}:{port}: {exc.strerror}"
-    who = ""
-    with contextlib.suppress(psutil.Error, OSError):
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
-                if conn.pid:
-                    proc = psutil.Process(conn.pid)
-                    cmd = " ".join(proc.cmdline())[:120]
-                    who = f" by pid {conn.pid} ({cmd})"
-                break
-    return f"port {host}:{port} is already in use{who}"
 
 
 async def wait_port_open(host: str, port: int, interval: float = 0.1) -> None:
@@ -221,7 +191,6 @@ class ProcessOwner:
             popen=popen,
             identity=ident,
             started_at=time.time(),
-            owner=self.owner,
             known={ident},
         )
         assert popen.stdout is not None and popen.stderr is not None

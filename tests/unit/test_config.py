@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -19,11 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given
-from hypothesis import strategies as st
 
 from supervisor import config
-from supervisor.config import ConfigError, format_duration, parse_duration, parse_listen
+from supervisor.config import ConfigError, parse_duration, parse_listen
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = REPO / "etc" / "kimi-serve.yaml"
@@ -434,38 +431,6 @@ def test_parse_duration(text: object, seconds: float) -> None:
 def test_parse_duration_rejects(value: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(value)
-
-
-@pytest.mark.parametrize(
-    ("seconds", "text"),
-    [
-        (0.5, "500ms"),
-        (0.001, "1ms"),
-        (30.0, "30s"),
-        (1.5, "1.5s"),
-        (90.0, "90s"),
-        (300.0, "5m"),
-        (3600.0, "1h"),
-        (5400.0, "90m"),
-        (0.0, "0s"),
-        (1234567.0, "1234567s"),
-    ],
-)
-def test_format_duration(seconds: float, text: str) -> None:
-    assert format_duration(seconds) == text
-
-
-@given(st.floats(min_value=0, allow_nan=False, allow_infinity=False))
-def test_format_duration_round_trips(seconds: float) -> None:
-    text = format_duration(seconds)
-    assert parse_duration(text) == seconds, text
-
-
-@given(st.integers(min_value=0, max_value=10**9), st.sampled_from(["ms", "s", "m", "h", ""]))
-def test_formatting_a_parsed_duration_keeps_its_value(n: int, unit: str) -> None:
-    seconds = parse_duration(f"{n}{unit}")
-    assert math.isfinite(seconds)
-    assert parse_duration(format_duration(seconds)) == seconds
 
 
 @pytest.mark.parametrize(
