@@ -129,6 +129,7 @@ class Daemon:
         self.store = RecordStore(cfg.state_dir)
         self.scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
         self.child: Child | None = None
+        self.spec = command.build(cfg)  # the current launch's command line
         self.nvml: Any = None
         self.sglang_version = "unknown"
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
@@ -480,7 +481,7 @@ class Daemon:
         self.queue.put_nowait(HostReady())
 
     def _launch(self, action: Launch) -> None:
-        spec = command.build(self.cfg, action.profile)
+        spec = self.spec = command.build(self.cfg, action.profile)
         self.scanner.reset()
         try:
             child = self.owner.spawn(action.launch, spec.argv, spec.env, self.cfg.sglang.workdir)
@@ -562,7 +563,7 @@ class Daemon:
         cfg = self.cfg.readiness.probe
         timeout = cfg.timeout if kind is ProbeKind.READINESS else self.cfg.liveness.timeout
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        spec = command.build(self.cfg, self.machine.ctx.profile)
+        spec = self.spec  # judged against what was launched
         # SGLang's own token counter, read around the probe: if it advanced while the probe
         # timed out, the server is loaded, not hung (and the failure does not count). The first
         # read runs beside the probe, so a frozen server costs one probe timeout, not more.
@@ -610,7 +611,7 @@ class Daemon:
                 if r.status_code == 200 and isinstance(r.json(), dict):
                     info = r.json()
                     break
-        spec = command.build(self.cfg, self.machine.ctx.profile)
+        spec = self.spec  # judged against what was launched
         if info is None:
             self.intent = {"checked": False, "mismatches": [], "error": "server_info unavailable"}
             return

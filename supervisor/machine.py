@@ -284,11 +284,11 @@ Action = (
     | Exit
 )
 
-# Restarts for these reasons kill at once: the server is already broken, and SGLang's SIGTERM
-# drain waits for in-flight requests with no time limit (sglang-facts.md).
-_GRACEFUL = frozenset({Reason.MANUAL, Reason.RELOAD})
-# Operator-requested restarts neither back off nor count towards a crash loop.
-_REQUESTED = _GRACEFUL
+# Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
+# back off nor count towards a crash loop. Every other reason means the server is already
+# broken, so it is killed at once: SGLang's SIGTERM drain waits for in-flight requests with no
+# time limit (sglang-facts.md).
+_REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
 PROBE_RETRY_DELAY = 0.25
 ILLEGAL = "illegal transition"
 
@@ -563,7 +563,7 @@ class Machine:
             *self._cancel_launch_timers(),
         ]
         if ctx.child:
-            return [*actions, StopChild(ctx.launch, graceful=reason in _GRACEFUL)]
+            return [*actions, StopChild(ctx.launch, graceful=reason in _REQUESTED)]
         return [*actions, *self._after_gone(exit_code, sig, now)]
 
     def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
