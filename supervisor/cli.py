@@ -12,12 +12,11 @@ from typing import Any, TextIO
 from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
+from supervisor.preflight import EX_CONFIG
 
 EX_OK = 0
 EX_FAIL = 1
-EX_NOT_READY = 3
-EX_UNREACHABLE = 4
-EX_CONFIG = 78  # EX_CONFIG from sysexits.h; the unit lists it in RestartPreventExitStatus=
+# `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py.
 
 
 class _Parser(argparse.ArgumentParser):

@@ -42,17 +42,15 @@ def _priority_prefix(_logger: Any, method: str, rendered: str) -> str:
 
 class SafeStream:
     """The log's stream, never raising: when stdout goes away (the journal restarting, a closed
-    pipe, a full disk) the daemon must go on supervising. Lost lines are counted."""
+    pipe, a full disk) the daemon must go on supervising; the lines are lost."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.lost = 0
 
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
         except (OSError, ValueError):  # ValueError: write to a closed file
-            self.lost += 1
             return 0
 
     def flush(self) -> None:
