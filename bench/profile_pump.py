@@ -1,7 +1,7 @@
 """Where the log pump's time goes, per line: `python -m bench.profile_pump [--lines N]`.
 
 Feeds the scheduler's decode-batch lines (the log pump benchmark's lines) through the daemon's
-own code path — `_Pump._readable` reading a real pipe, then `Daemon._lines` (count, scan,
+own code path — `_Pump._readable` reading a real pipe, then `LogPump.lines` (count, scan,
 forward at most 2000 a second) — once under cProfile, and times the pieces separately:
 splitting and decoding, the fatal-pattern scan, the metric. No process is started; the
 daemon's log goes to /dev/null.
@@ -46,7 +46,7 @@ def _per_line(fn: Any, lines: list[str]) -> float:
 
 
 async def _through_pipe(daemon: Any, data: bytes) -> float:
-    """The real pump: a pipe, the loop's reader callback, Daemon._lines. Seconds per line."""
+    """The real pump: a pipe, the loop's reader callback, LogPump.lines. Seconds per line."""
     from supervisor.process import _Pump
 
     class _Child:
@@ -62,7 +62,7 @@ async def _through_pipe(daemon: Any, data: bytes) -> float:
 
     def sink(launch: int, stream: Stream, lines: list[str]) -> None:
         nonlocal seen
-        daemon._lines(launch, stream, lines)
+        daemon.pump.lines(launch, stream, lines)
         seen += len(lines)
         if seen >= total:
             done.set()
@@ -112,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             metric = daemon.metrics.log_lines.labels("stderr")
             out["metric, one inc per line"] = _per_line(
                 lambda ls: _each(lambda _: metric.inc(), ls), lines)
-            out["Daemon._lines (count, scan, forward ≤2000/s)"] = _per_line(
-                lambda ls: _each(lambda i: daemon._lines(1, Stream.STDERR, ls[i:i + 430]),
+            out["LogPump.lines (count, scan, forward ≤2000/s)"] = _per_line(
+                lambda ls: _each(lambda i: daemon.pump.lines(1, Stream.STDERR, ls[i:i + 430]),
                                  range(0, len(ls), 430)), lines)
             sglog = log.get("sglang")
             out["forwarding one line to the daemon's own log (/dev/null here)"] = _per_line(
                 lambda ls: _each(lambda x: getattr(sglog, guess_level(x))(
                     x, source="sglang", stream="stderr"), ls), lines[:2000])
-            out["whole pump: pipe → _Pump → Daemon._lines"] = (
+            out["whole pump: pipe → _Pump → LogPump.lines"] = (
                 await _through_pipe(daemon, data)) * 1e6
             prof = cProfile.Profile()
             prof.enable()
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
             out["_profile"] = 0.0
             print(text.getvalue())
-            await daemon.http.aclose()
+            await daemon.fx.http.aclose()
             return out
 
         results = asyncio.run(run())

@@ -64,9 +64,19 @@ def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     return EX_OK
 
 
+def _open_nvml() -> Any:
+    """Real NVML, or the simulation where tests and the demo ask for it (gpu_sim's variables).
+
+    Chosen here, at the edge: the daemon and the GPU code only ever get an opener."""
+    from supervisor import gpu_sim
+
+    return gpu_sim.open_nvml()
+
+
 def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import log
     from supervisor.daemon import Daemon
+    from supervisor.effects import Effects
 
     cfg = _load(args, err)
     if cfg is None:
@@ -75,7 +85,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         Notifier().status("failed to start: configuration invalid (see the log)")
         return EX_CONFIG
     log.setup(cfg.logging.format, cfg.logging.level)
-    return asyncio.run(Daemon(cfg).run())
+    return asyncio.run(Daemon(cfg, Effects.real(cfg, open_nvml=_open_nvml)).run())
 
 
 def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -114,7 +124,7 @@ def cmd_preflight(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    return preflight.run_preflight_command(cfg, out)
+    return preflight.run_preflight_command(cfg, out, open_nvml=_open_nvml)
 
 
 def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -123,7 +133,7 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    return gpu.run_gpu_clean(cfg, args.dry_run, out)
+    return gpu.run_gpu_clean(cfg, args.dry_run, out, _open_nvml)
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,31 +27,29 @@ from typing import Any, TextIO
 
 import psutil
 
+from supervisor import signals
 from supervisor.config import Config, GpusConfig
 from supervisor.identity import (
     OWNER_ENV,
     ProcessIdentity,
     RecordStore,
     descendants,
-    identity_of,
     live_process,
     owner_marker,
-    signal_identity,
+    same_start,
 )
 from supervisor.nvml import (
     GiB,
     GpuSnapshot,
     MiB,
     Nvml,
+    NvmlOpener,
     NvmlUnavailable,
     gpu_status,
-    open_nvml,
     select,
 )
 from supervisor.threads import in_thread
 
-# Two psutil reads of one process's create time agree far better than this (identity.py).
-_SAME_START = 0.05
 # An NVML call that takes longer than this means a hung driver or GPU; nvidia-smi hangs too.
 NVML_CALL_TIMEOUT = 10.0
 
@@ -145,10 +142,6 @@ class Classified:
 
 def _start_times(idents: Iterable[ProcessIdentity]) -> dict[int, float]:
     return {i.pid: i.create_time for i in idents}
-
-
-def _same_start(recorded: float | None, actual: float) -> bool:
-    return recorded is not None and abs(recorded - actual) < _SAME_START
 
 
 def _decide(
@@ -246,12 +239,12 @@ def classify(
                     )
                 )
             continue
-        is_recorded = _same_start(recorded.get(pid), f.create_time)
+        is_recorded = same_start(recorded.get(pid), f.create_time)
         if not held and not is_recorded:
             continue  # a recorded pid now names some other process, which holds no GPU memory
         kind, ours, reason = _decide(
             f,
-            current=_same_start(current.get(pid), f.create_time),
+            current=same_start(current.get(pid), f.create_time),
             recorded=is_recorded,
             match=match,
             daemon_uid=daemon_uid,
@@ -368,45 +361,13 @@ def _busy(snaps: Sequence[GpuSnapshot], threshold: int, ours: set[int]) -> list[
     ]
 
 
-def _signal(ident: ProcessIdentity, sig: signal.Signals) -> str:
-    """Signal only the very process classified (pid and create time); say what happened."""
-    if signal_identity(ident, sig):
-        return sig.name
-    now = identity_of(ident.pid)
-    if now is None:
-        return "already gone"
-    if not _same_start(now.create_time, ident.create_time):
-        return "not signalled: the pid now names another process"
-    if live_process(ident) is None:
-        return "already gone (zombie)"
-    return "not signalled: permission denied"
-
-
-async def _wait_gone(
-    idents: list[ProcessIdentity], deadline: float, clock: Callable[[], float], poll: float
-) -> list[ProcessIdentity]:
-    # These are not our children: no SIGCHLD, so poll against the deadline. A zombie counts as
-    # gone: it has released its GPU memory (measured on H200, sglang-facts.md).
-    while True:
-        alive = [i for i in idents if live_process(i) is not None]
-        if not alive or clock() >= deadline:
-            return alive
-        await asyncio.sleep(poll)
-
-
 async def _terminate(
     targets: list[Classified], grace: float, clock: Callable[[], float], poll: float
 ) -> dict[int, str]:
-    notes: dict[int, str] = {}
-    pending = []
-    for c in targets:
-        assert c.pid is not None and c.identity is not None
-        notes[c.pid] = _signal(c.identity, signal.SIGTERM)
-        if notes[c.pid] == "SIGTERM":
-            pending.append(c.identity)
-    for ident in await _wait_gone(pending, clock() + grace, clock, poll):
-        notes[ident.pid] += ", " + _signal(ident, signal.SIGKILL)
-    return notes
+    idents = [c.identity for c in targets if c.identity is not None]
+    # No wait after SIGKILL here: the caller waits for the GPU memory, which is what matters.
+    done = await signals.terminate(idents, grace=grace, kill_wait=0, clock=clock, poll=poll)
+    return done.notes
 
 
 def _reap(c: Classified) -> str:
@@ -629,7 +590,7 @@ def _print_found(out: TextIO, report: CleanReport) -> None:
         )
 
 
-def run_gpu_clean(cfg: Config, dry_run: bool, out: TextIO) -> int:
+def run_gpu_clean(cfg: Config, dry_run: bool, out: TextIO, open_nvml: NvmlOpener) -> int:
     """The body of `kimi-serve gpu-clean`: 0 when the managed GPUs are free, else 1."""
     if not cfg.gpus.manage:
         out.write("GPU management is off (gpus.manage: false); nothing to do\n")

@@ -10,7 +10,8 @@ live process table, so everything around it (processes, signals, identity checks
 - `KIMI_SERVE_SIM_TAG` (required): only processes whose environment carries the same tag are
   seen, so tests and demos running side by side on one machine never see (or clean) each
   other's processes; whatever the daemon launches inherits the tag from its environment.
-- A dead process frees its memory; so does a zombie, as measured on an H200 (sglang-facts.md).
+- A dead process frees its memory; so does a zombie, as measured on an H200 (docs/sglang.md,
+  "GPU memory").
 - `KIMI_SERVE_SIMULATED_WEDGED_MIB`: memory held with no process, as a wedged GPU shows it:
   `2048` (on GPU 0) or `1:2048,3:512` (per GPU).
 """
@@ -18,13 +19,14 @@ live process table, so everything around it (processes, signals, identity checks
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import psutil
 
-from supervisor.nvml import GpuProcess, GpuSnapshot, MiB, NvmlUnavailable
+from supervisor.nvml import GpuProcess, GpuSnapshot, MiB, Nvml, NvmlUnavailable, PynvmlNvml
 
 ENV_GPUS = "KIMI_SERVE_SIMULATED_GPUS"
 ENV_MIB = "KIMI_SERVE_SIMULATED_GPU_MIB"
@@ -124,3 +126,15 @@ class SimulatedNvml:
 
     def close(self) -> None:
         """Nothing to release; present for the Nvml interface."""
+
+
+def open_nvml(env: Mapping[str, str] | None = None) -> Nvml:
+    """The host's NVML, or the simulation when KIMI_SERVE_SIMULATED_GPUS is set in `env`.
+
+    The command line's choice (tests and `kimi-serve demo` set the variable); the production
+    factory, `nvml.PynvmlNvml`, never looks at the environment. Raises NvmlUnavailable.
+    """
+    env = os.environ if env is None else env
+    if env.get(ENV_GPUS):
+        return SimulatedNvml.from_env(env)
+    return PynvmlNvml()

@@ -22,8 +22,13 @@ RECORD_FILE = "launch.json"
 # the daemon's state directory, so two daemons on one host never touch each other's processes.
 OWNER_ENV = "KIMI_SERVE_OWNER"
 # psutil's create_time comes from /proc/<pid>/stat in clock ticks since boot; two reads of the
-# same process agree far better than this.
-_CREATE_TIME_SLACK = 0.05
+# same process agree far better than this. The one tolerance of the project.
+CREATE_TIME_SLACK = 0.05
+
+
+def same_start(recorded: float | None, actual: float) -> bool:
+    """Whether two create times name the same process."""
+    return recorded is not None and abs(recorded - actual) < CREATE_TIME_SLACK
 
 
 @dataclass(frozen=True, order=True)
@@ -33,7 +38,7 @@ class ProcessIdentity:
 
     def matches(self, proc: psutil.Process) -> bool:
         try:
-            return abs(proc.create_time() - self.create_time) < _CREATE_TIME_SLACK
+            return same_start(self.create_time, proc.create_time())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 

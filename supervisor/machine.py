@@ -2,10 +2,48 @@
 
 This is where every decision lives: when to launch, when SGLang counts as ready, when to
 restart, with which reason, how long to back off, when a crash loop switches to the fallback
-profile or gives up. The daemon only carries out the actions and feeds back events.
+profile or gives up, what a reloaded file means, whether systemd is told READY=1 or only
+STATUS=, when a restart request is refused, which watchers a transition ends. The daemon only
+carries out the actions and feeds back events.
 
 Every state change goes through `_to()`, which checks the edge against `EDGES` and emits one
 `Transitioned` action (the daemon logs it, updates metrics and sends STATUS=).
+
+What each event does in each state, for the current launch (tests/unit/test_machine_table.py
+computes it and compares): the state it ends in, `=` when it acts but stays, `.` when it is
+ignored. An event of an earlier launch is always ignored. RSTR is shown with its old child
+still being stopped; once the child is gone the backoff timer moves it to CLEN.
+
+```table
+                     STRT CLEN LNCH LOAD WARM RDY  DEGR RSTR FAIL STPG STPD
+Start                CLEN .    .    .    .    .    .    .    .    .    .
+HostReady            .    LNCH .    .    .    .    .    .    .    .    .
+HostNotReady         .    =    .    .    .    .    .    .    .    .    .
+HostNotReady wedged  .    FAIL .    .    .    .    .    .    .    .    .
+Launched             .    .    LOAD .    .    .    .    .    .    .    .
+LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen             .    .    .    WARM .    .    .    .    .    .    .
+ReadyLine            .    .    .    WARM .    .    .    .    .    .    .
+FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok         .    .    .    .    RDY  .    .    .    .    .    .
+readiness failed     .    .    .    .    RSTR .    .    .    .    .    .
+liveness ok          .    .    .    .    .    =    RDY  .    .    .    .
+liveness failed      .    .    .    .    .    DEGR =    .    .    .    .
+timer load_timeout   .    .    RSTR RSTR RSTR .    .    .    .    .    .
+timer backoff        .    .    .    .    .    .    .    .    .    .    .
+timer liveness       .    .    .    .    .    =    =    .    .    .    .
+timer probe_retry    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry    .    =    .    .    .    .    .    .    .    .    .
+StopRequested        STPD STPD STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested     .    .    RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested      =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid   =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed   =    =    RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+```
 """
 
 from __future__ import annotations
@@ -175,6 +213,24 @@ class RestartRequested:
     back_to_primary: bool = False
 
 
+@dataclass(frozen=True)
+class ReloadRequested:
+    """SIGHUP: the config file is to be read again."""
+
+
+class Verdict(StrEnum):
+    INVALID = "invalid"  # the running configuration stays
+    UNCHANGED = "unchanged"
+    CHANGED = "changed"  # the daemon has already taken the new configuration
+
+
+@dataclass(frozen=True)
+class ConfigRead:
+    """The reloaded file, judged (supervisor/reload.py)."""
+
+    verdict: Verdict
+
+
 Event = (
     Start
     | HostReady
@@ -190,6 +246,8 @@ Event = (
     | TimerFired
     | StopRequested
     | RestartRequested
+    | ReloadRequested
+    | ConfigRead
 )
 
 
@@ -265,6 +323,24 @@ class CheckIntent:
 
 
 @dataclass(frozen=True)
+class ReadConfig:
+    pass
+
+
+@dataclass(frozen=True)
+class NotifyReloading:
+    pass
+
+
+@dataclass(frozen=True)
+class NotifyReloaded:
+    """End systemd's reload job: READY=1 once ever ready, else STATUS= only."""
+
+    ready: bool
+    note: str = ""  # appended to the status line
+
+
+@dataclass(frozen=True)
 class Exit:
     code: int
 
@@ -281,13 +357,16 @@ Action = (
     | RecordRestart
     | ProfileChanged
     | CheckIntent
+    | ReadConfig
+    | NotifyReloading
+    | NotifyReloaded
     | Exit
 )
 
 # Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
 # back off nor count towards a crash loop. Every other reason means the server is already
 # broken, so it is killed at once: SGLang's SIGTERM drain waits for in-flight requests with no
-# time limit (sglang-facts.md).
+# time limit (docs/sglang.md, "Shutdown").
 _REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
 PROBE_RETRY_DELAY = 0.25
 ILLEGAL = "illegal transition"
@@ -320,6 +399,7 @@ class Context:
     pending_detail: str = ""
     host_message: str = ""  # why cleaning cannot finish, for STATUS
     host_retries: int = 0
+    ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
 
 
 class Machine:
@@ -391,7 +471,30 @@ class Machine:
                 return self._timer(event, now)
             case RestartRequested():
                 return self._requested(event, now)
+            case ReloadRequested():
+                # RELOADING=1 opens a reload job; before the first READY=1 the start job is
+                # still open and a reload job would confuse it.
+                return [*([NotifyReloading()] if ctx.ever_ready else []), ReadConfig()]
+            case ConfigRead():
+                return self._config_read(event, now)
         return []
+
+    def refuse_restart(self) -> str | None:
+        """Why an operator's restart request (POST /restart) is refused, or None."""
+        if self.ctx.state in (State.STOPPING, State.STOPPED):
+            return "the daemon is stopping"
+        return None
+
+    def _config_read(self, event: ConfigRead, now: float) -> list[Action]:
+        ready = self.ctx.ever_ready
+        if event.verdict is Verdict.INVALID:
+            return [NotifyReloaded(ready, " (reload refused: config invalid)")]
+        # Unchanged while `failed`: `failed` lasts until a reload, and the operator fixed the
+        # host, not the file.
+        if event.verdict is Verdict.UNCHANGED and self.ctx.state is not State.FAILED:
+            return [NotifyReloaded(ready)]
+        again = RestartRequested(Reason.RELOAD, back_to_primary=True)
+        return [NotifyReloaded(ready), *self._requested(again, now)]
 
     # ------------------------------------------------------------------ per event
 
@@ -449,6 +552,7 @@ class Machine:
         if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
             if r.ok:
                 ctx.ready_at = now
+                ctx.ever_ready = True
                 return [
                     *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
                     CancelTimer(TimerName.LOAD),
@@ -640,3 +744,30 @@ class Machine:
                     ),
                 ]
         return [*actions, SetTimer(TimerName.BACKOFF, self._next_backoff(), ctx.launch)]
+
+
+def extends_job(state: State, ever_ready: bool) -> bool:
+    """Whether systemd's start (or stop) job is still running and must be extended.
+
+    Until the first READY=1 the start job runs: it is extended through loads, probes and the
+    backoffs between them, or a crash loop would time the start out before the fallback profile
+    is ever tried. Not in `failed`: a start that cannot succeed should fail, not hang
+    `systemctl start` for ever.
+    """
+    if state is State.STOPPING:
+        return True
+    return not ever_ready and state in (*STARTUP_STATES, State.RESTARTING)
+
+
+@dataclass(frozen=True)
+class WatchesEnd:
+    """Which watchers of the launch a transition ends."""
+
+    port: bool  # the port watcher (it only matters while launching/loading)
+    tree: bool  # the descendant recorder (kept while a stop may still need the tree)
+
+
+def watches_end(t: Transitioned) -> WatchesEnd:
+    if t.old is State.LOADING or t.new not in (State.LAUNCHING, State.LOADING):
+        return WatchesEnd(port=True, tree=t.new not in (State.RESTARTING, State.STOPPING))
+    return WatchesEnd(port=False, tree=False)

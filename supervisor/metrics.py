@@ -137,7 +137,8 @@ class Metrics:
             "Unix time the current state was entered.",
             registry=r,
         )
-        r.register(_GpuCollector(gpu_snapshot))
+        self._gpu_source = gpu_snapshot
+        r.register(_GpuCollector(lambda: self._gpu_source()))
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
         for reason in Reason:
             self.restarts.labels(reason.value)
@@ -150,6 +151,19 @@ class Metrics:
                 self.probe_failures.labels(kind.value, failure)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
+
+    def set_gpu_source(self, snapshot: Callable[[], Sequence[dict[str, Any]]]) -> None:
+        """Where the per-GPU series are read from at scrape time."""
+        self._gpu_source = snapshot
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts by reason (those that happened), read from the counter itself."""
+        out: dict[str, int] = {}
+        for family in self.restarts.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    out[sample.labels["reason"]] = int(sample.value)
+        return out
 
     def set_state(self, state: State, since_unix: float) -> None:
         for s in State:

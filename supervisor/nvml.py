@@ -7,7 +7,7 @@ so everything above it is tested without one. The driver's errors become `NvmlUn
 with advice an operator can act on.
 
 GPUs are keyed by UUID: indexes shift with `CUDA_VISIBLE_DEVICES`, UUIDs do not
-(sglang-facts.md).
+(docs/sglang.md, "GPUs").
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class GpuProcess:
-    pid: int  # a host pid, also inside containers (sglang-facts.md)
+    pid: int  # a host pid, also inside containers (docs/sglang.md, "GPUs")
     used_bytes: int | None  # None: the driver does not say (e.g. without permission)
 
 
@@ -116,7 +116,7 @@ class PynvmlNvml:
         lib = self._lib
         if self._memory_v2:
             # v1's `used` counts driver-reserved memory since R510: an empty H200 would look
-            # busy against a small threshold. v2 reports it apart (sglang-facts.md).
+            # busy against a small threshold. v2 reports it apart (docs/sglang.md, "GPUs").
             try:
                 mem = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
                 return int(mem.used), int(mem.total)
@@ -165,16 +165,9 @@ class PynvmlNvml:
                 self._lib.nvmlShutdown()
 
 
-def open_nvml() -> Nvml:
-    """The host's NVML, or the simulation when KIMI_SERVE_SIMULATED_GPUS is set.
-
-    Raises NvmlUnavailable with an operator-readable message.
-    """
-    from supervisor import gpu_sim
-
-    if os.environ.get(gpu_sim.ENV_GPUS):
-        return gpu_sim.SimulatedNvml.from_env(os.environ)
-    return PynvmlNvml()
+# Opens an NVML (raises NvmlUnavailable): `PynvmlNvml` in production; the command line picks
+# the simulation instead where it is asked for (`gpu_sim.open_nvml`).
+NvmlOpener = Callable[[], Nvml]
 
 
 def select(

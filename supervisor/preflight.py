@@ -3,7 +3,7 @@
 SGLang renames flags between releases. With 0.5.23 the seed incident's `--cuda-graph-max-bs 128`
 is an "ambiguous option" (it prefixes both `--cuda-graph-max-bs-decode` and `-prefill`), and
 SGLang says so only after its Python start-up; a port held by a leftover process fails the launch
-only after the whole model has loaded (sglang-facts.md). So before any GPU is touched:
+only after the whole model has loaded (docs/sglang.md). So before any GPU is touched:
 
 - the configured interpreter exists, imports SGLang, and its version is read;
 - the exact argv the daemon will launch, for the active profile and the fallback, is parsed by
@@ -576,7 +576,7 @@ def startup_checks(
 # --------------------------------------------------------------------------------------------
 
 
-def nvml_gpu_count(cfg: Config) -> Callable[[], int]:
+def nvml_gpu_count(cfg: Config, open_nvml: Callable[[], Any]) -> Callable[[], int]:
     """Count the managed GPUs (`gpus.devices`) through supervisor.nvml."""
 
     def count() -> int:
@@ -584,7 +584,7 @@ def nvml_gpu_count(cfg: Config) -> Callable[[], int]:
             nvml_layer = importlib.import_module("supervisor.nvml")
         except ImportError as exc:
             raise GpuCountUnavailable(f"supervisor.nvml cannot be imported ({exc})") from None
-        nvml = nvml_layer.open_nvml()
+        nvml = open_nvml()
         try:
             return len(nvml_layer.select(nvml.snapshot(), cfg.gpus.devices))
         finally:
@@ -594,10 +594,20 @@ def nvml_gpu_count(cfg: Config) -> Callable[[], int]:
 
 
 def run_preflight_command(
-    cfg: Config, out: TextIO, *, gpu_count: Callable[[], int] | None = None
+    cfg: Config,
+    out: TextIO,
+    *,
+    gpu_count: Callable[[], int] | None = None,
+    open_nvml: Callable[[], Any] | None = None,
 ) -> int:
     """The body of `kimi-serve preflight`: every check, one per line; 0 / 78 / 1."""
-    counter = gpu_count if gpu_count is not None else nvml_gpu_count(cfg)
+    if gpu_count is None:
+        if open_nvml is None:
+            from supervisor.nvml import PynvmlNvml
+
+            open_nvml = PynvmlNvml
+        gpu_count = nvml_gpu_count(cfg, open_nvml)
+    counter = gpu_count
     start = time.monotonic()
     checks = run_checks(cfg, gpu_count=counter)
     profiles = ", ".join(default_profiles(cfg))

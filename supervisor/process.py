@@ -1,13 +1,14 @@
 """Owning SGLang's processes: spawn, pump output, notice death, stop, sweep.
 
 - SGLang runs in a session (and process group) of its own, so one killpg reaches the scheduler
-  and detokenizer children (sglang-facts.md; `SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION` relies on it).
+  and detokenizer children (docs/sglang.md, "Processes"; `SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`
+  relies on it).
 - Death is noticed through a pidfd on the event loop: no polling delay, no thread. asyncio's own
   `Process.wait()` is not used because it only returns once every pipe is closed, and SGLang's
   children inherit its stdout: an orphaned scheduler would hide the main process's death.
 - Children that escape the group (a child still loading sets PR_SET_PDEATHSIG only later,
   sglang #23627) are found by their recorded (pid, create time) and by an environment marker
-  every process of ours inherits; both are checked before any signal.
+  every process of ours inherits; both are checked before any signal (`signals.terminate`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from supervisor import signals
 from supervisor.identity import (
     OWNER_ENV,
     ProcessIdentity,
@@ -64,6 +66,10 @@ class Child:
     started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
     known: set[ProcessIdentity] = field(default_factory=set)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set to cut a graceful stop's drain short (a second SIGTERM while draining).
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_begun: bool = False
+    stop_done: bool = False  # every process of the launch gone (or stuck), pipes closed
     pipes_closed: asyncio.Event = field(default_factory=asyncio.Event)
     exit: ExitInfo | None = None
     _open_pipes: int = 2
@@ -150,14 +156,38 @@ class _Pump:
             self.child.pipes_closed.set()
 
 
+def _ignore_lines(_launch: int, _stream: Stream, _lines: list[str]) -> None:
+    pass
+
+
+def _ignore_exit(_child: Child) -> None:
+    pass
+
+
 class ProcessOwner:
     """Spawns and stops SGLang; the only code that sends signals to it."""
 
-    def __init__(self, owner: str, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
+    def __init__(
+        self,
+        owner: str,
+        sink: LineSink = _ignore_lines,
+        on_exit: Callable[[Child], None] = _ignore_exit,
+    ) -> None:
         self.owner = owner
         self.sink = sink
         self.on_exit = on_exit
         self._pumps: dict[int, list[_Pump]] = {}
+
+    def bind(self, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
+        """Where SGLang's lines and its exit go (the daemon's log pump and its queue)."""
+        self.sink = sink
+        self.on_exit = on_exit
+
+    def hurry(self, child: Child) -> None:
+        """A stop is draining: stop waiting, SIGKILL the group now; the running stop finishes."""
+        child.hurry.set()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
 
     def spawn(
         self,
@@ -261,12 +291,13 @@ class ProcessOwner:
         Returns once no process of the launch is alive, or once STUCK_AFTER_KILL_S has passed
         with some still there (stuck in the kernel; listed in ExitInfo.stuck).
         """
+        child.stop_begun = True
         self.refresh_tree(child)
-        if graceful and child.alive():
+        if graceful and child.alive() and not child.hurry.is_set():
             signal_identity(child.identity, signal.SIGTERM)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(drain_timeout):
-                    await child.exited.wait()
+                    await _first(child.exited, child.hurry)
         self.refresh_tree(child)
         # The group outlives its leader while members exist, and Linux does not reuse a pid
         # that still names a process group, so this reaches only our launch.
@@ -283,36 +314,32 @@ class ProcessOwner:
         for pump in self._pumps.pop(child.launch, []):
             pump.close()
         stuck = tuple(i.pid for i in self.survivors(child))
+        child.stop_done = True
         if child.exit is None:
             return ExitInfo(None, None, stuck or (child.pid,))
         return ExitInfo(child.exit.exit_code, child.exit.signal, stuck)
 
     async def sweep(
-        self, identities: Iterable[ProcessIdentity], grace: float = 0.0, timeout: float = 5.0
+        self,
+        identities: Iterable[ProcessIdentity],
+        grace: float | None = None,
+        timeout: float = 5.0,
     ) -> list[ProcessIdentity]:
-        """Kill the listed processes (identity-checked): SIGTERM first when grace > 0.
+        """Kill the listed processes (identity-checked): SIGTERM first when a grace is given.
 
         Returns those still alive at the deadline (stuck in D state: beyond any signal).
         """
-        targets = [i for i in set(identities) if i.pid != os.getpid()]
-        if grace > 0:
-            for ident in targets:
-                signal_identity(ident, signal.SIGTERM)
-            await _wait_gone(targets, grace)
-        for ident in targets:
-            signal_identity(ident, signal.SIGKILL)
-        return await _wait_gone(targets, timeout)
+        done = await signals.terminate(identities, grace=grace, kill_wait=timeout)
+        return done.alive
 
     def survivors(self, child: Child) -> list[ProcessIdentity]:
         return [i for i in child.known if live_process(i) is not None]
 
 
-async def _wait_gone(targets: list[ProcessIdentity], timeout: float) -> list[ProcessIdentity]:
-    # A killed process disappears when its parent reaps it; there is no event for another
-    # process's exit short of a pidfd each, so poll briefly against a deadline.
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [i for i in targets if live_process(i) is not None]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        await asyncio.sleep(0.005)
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from supervisor import gpu_sim
-from supervisor.gpu_sim import SimulatedNvml, gpus_of, simulated_uuid
-from supervisor.nvml import GiB, MiB, NvmlUnavailable, PynvmlNvml, open_nvml
+from supervisor.gpu_sim import SimulatedNvml, gpus_of, open_nvml, simulated_uuid
+from supervisor.nvml import GiB, MiB, NvmlUnavailable, PynvmlNvml
 from tests.gpu.gpu_helpers import HOLDER, Procs
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.daemon import extends_job
-from supervisor.machine import State
+from supervisor.machine import State, extends_job
 
 
 @pytest.mark.parametrize(

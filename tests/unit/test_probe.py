@@ -815,7 +815,7 @@ async def test_read_progress_without_metrics_is_none(client: httpx.AsyncClient) 
 
 @pytest.mark.parametrize("kind", ["liveness", "readiness"])
 async def test_a_wrong_answer_is_not_excused_by_its_own_tokens(tmp_path: Path, kind: str) -> None:
-    from supervisor.daemon import Daemon
+    from supervisor import command, probing
     from supervisor.machine import ProbeDone, ProbeKind
 
     generated = {"tokens": 15328}
@@ -835,12 +835,8 @@ async def test_a_wrong_answer_is_not_excused_by_its_own_tokens(tmp_path: Path, k
             f"state_dir: {tmp_path}\ngpus: {{manage: false}}\n",
             "test.yaml",
         )
-        daemon = Daemon(cfg)
-        try:
-            await daemon._probe(1, ProbeKind(kind))
-        finally:
-            await daemon.http.aclose()
-    event = daemon.queue.get_nowait()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            event = await probing.decode(http, cfg, command.build(cfg), 1, ProbeKind(kind))
     assert isinstance(event, ProbeDone)
     assert event.result.reason == "no_speculation"
     assert event.busy is False

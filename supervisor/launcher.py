@@ -1,0 +1,147 @@
+"""One launch of SGLang: spawn it (`Launch`), watch it (port, process tree), stop it
+(`StopChild`). Every signal goes through `process.ProcessOwner`; every answer is an event.
+
+- `Launch` answers `Launched` or `LaunchFailed` at once, then `PortOpen` once the port accepts.
+- The descendants are recorded as they appear (every 0.25 s while starting, 5 s after) under
+  `state_dir/launch.json`, so a daemon that was SIGKILLed finds them on its next start.
+- `StopChild` answers `ChildGone` once every process of the launch is gone (or stuck). A
+  non-graceful `StopChild` for a launch already being stopped cuts the drain short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from supervisor import command, log
+from supervisor.command import LaunchSpec
+from supervisor.config import Config
+from supervisor.identity import LaunchRecord, RecordStore
+from supervisor.machine import (
+    STARTUP_STATES,
+    ChildExited,
+    ChildGone,
+    Context,
+    Event,
+    Launch,
+    Launched,
+    LaunchFailed,
+    PortOpen,
+    StopChild,
+    WatchesEnd,
+)
+from supervisor.observed import Observed
+from supervisor.process import Child, ProcessOwner, wait_port_open
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class Launcher:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: Context,
+        owner: ProcessOwner,
+        store: RecordStore,
+        observed: Observed,
+        emit: Callable[[Event], None],
+        spawn: Spawn,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx  # read only: the profile and whether the launch is still starting
+        self.owner = owner
+        self.store = store
+        self.observed = observed
+        self.emit = emit
+        self.spawn = spawn
+        self.log = log.get()
+        self.child: Child | None = None
+        self.spec: LaunchSpec = command.build(cfg)  # the current launch's command line
+        self._port_watch: asyncio.Task[Any] | None = None
+        self._tree_watch: asyncio.Task[Any] | None = None
+
+    def launch(self, action: Launch, before: Callable[[], None]) -> None:
+        spec = self.spec = command.build(self.cfg, action.profile)
+        before()
+        try:
+            child = self.owner.spawn(action.launch, spec.argv, spec.env, self.cfg.sglang.workdir)
+        except OSError as exc:
+            msg = f"cannot start {spec.argv[0]}: {exc.strerror or exc} (sglang.python)"
+            self.log.error("launch failed", error=msg)
+            self.emit(LaunchFailed(action.launch, msg))
+            return
+        self.child = child
+        self._save_record(child, action.profile)
+        self.observed.launched(child)
+        self.log.info("launched sglang", pid=child.pid, profile=action.profile, argv=spec.shell())
+        self.emit(Launched(action.launch, child.pid))
+        self._port_watch = self.spawn(self._watch_port(action.launch))
+        self._tree_watch = self.spawn(self._watch_tree(child))
+
+    def end_watches(self, which: WatchesEnd) -> None:
+        if which.port and self._port_watch is not None:
+            self._port_watch.cancel()
+        if which.tree and self._tree_watch is not None:
+            self._tree_watch.cancel()
+
+    async def _watch_port(self, launch: int) -> None:
+        await wait_port_open(self.cfg.sglang.host, self.cfg.sglang.port, interval=0.05)
+        self.emit(PortOpen(launch))
+
+    async def _watch_tree(self, child: Child) -> None:
+        # Scheduler and detokenizer children appear during the first seconds of a launch;
+        # record them as they appear so an escapee can be found by identity later.
+        while child.alive():
+            if self.owner.refresh_tree(child):
+                self._save_record(child, self.ctx.profile)
+            fast = self.ctx.state in STARTUP_STATES
+            await asyncio.sleep(0.25 if fast else 5.0)
+
+    def _save_record(self, child: Child, profile: str) -> None:
+        try:
+            self.store.save(LaunchRecord(os.getpid(), profile, tuple(sorted(child.known))))
+        except OSError as exc:
+            self.log.error(
+                "cannot record the launch",
+                path=str(self.store.path),
+                error=exc.strerror or str(exc),
+            )
+
+    def exited(self, child: Child) -> None:
+        assert child.exit is not None
+        self.emit(ChildExited(child.launch, child.exit.exit_code, child.exit.signal))
+        self.log.info(
+            "sglang exited", pid=child.pid, exit_code=child.exit.exit_code, signal=child.exit.signal
+        )
+
+    def stop(self, action: StopChild) -> None:
+        child = self.child
+        if child is None or child.launch != action.launch:
+            self.emit(ChildGone(action.launch, None, None))
+            return
+        if child.stop_begun:
+            if not action.graceful:
+                self.owner.hurry(child)
+            return
+
+        async def stop() -> None:
+            info = await self.owner.stop(child, action.graceful, self.cfg.stop.drain_timeout)
+            if info.stuck:
+                self.log.error("processes survive SIGKILL (D state?)", pids=list(info.stuck))
+            else:
+                self.store.clear()
+            self.observed.launched(None)
+            self.emit(ChildGone(child.launch, info.exit_code, info.signal, info.stuck))
+
+        child.stop_begun = True
+        self.spawn(stop())
+
+    async def teardown(self) -> None:
+        """Whatever ended the loop, the current launch is stopped unless its stop completed
+        (killpg and the sweep are idempotent)."""
+        child = self.child
+        if child is not None and not child.stop_done:
+            await self.owner.stop(child, graceful=False, drain_timeout=0)
+            self.store.clear()

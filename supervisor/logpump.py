@@ -1,0 +1,95 @@
+"""SGLang's output lines: counted, scanned, forwarded to our log under a rate limit.
+
+The process layer (`process._Pump`) delivers lines here. Each line goes to the `LogScanner`
+(ready / fatal verdicts, the bounded tail for /status) and, at most FORWARD_PER_SECOND a second,
+to the daemon's own log. A verdict becomes an event (`ReadyLine`, `FatalLog`) for the machine,
+which drops it if it belongs to an earlier launch.
+
+A traceback is one log record over many lines: a fatal pattern at its head waits for the
+exception line that ends it, or FATAL_SETTLE_S, whichever comes first, so the restart's log
+tail holds the line on-call needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from supervisor import log
+from supervisor.config import Config
+from supervisor.logscan import LogScanner, Stream, guess_level
+from supervisor.machine import Event, FatalLog, ReadyLine
+from supervisor.metrics import Metrics
+
+FATAL_SETTLE_S = 1.0
+# Under a log flood, forward at most this many SGLang lines a second to our own log; every line
+# is still counted, scanned for fatal patterns and kept in the tail.
+FORWARD_PER_SECOND = 2000
+FORWARD_BURST = 500
+
+
+class LogPump:
+    def __init__(
+        self,
+        cfg: Config,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        emit: Callable[[Event], None],
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.emit = emit
+        self.log = log.get()
+        self.sglog = log.get("sglang")
+        self.scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
+        self._forward = (float(FORWARD_BURST), clock())
+        self._suppressed = 0
+        self._suppressed_since = 0.0
+
+    def configure(self, cfg: Config) -> None:
+        """A reloaded configuration: new fatal patterns and tail length."""
+        self.scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
+
+    def new_launch(self) -> None:
+        self.scanner.reset()
+
+    def tail(self) -> list[str]:
+        return self.scanner.tail()
+
+    def lines(self, launch: int, stream: Stream, lines: list[str]) -> None:
+        self.metrics.log_lines.labels(stream.value).inc(len(lines))
+        now = self.clock()
+        # A token bucket refilled continuously: forwarding is spread over the second instead
+        # of one burst at its start, during which SGLang's pipe would fill.
+        tokens, last = self._forward
+        tokens = min(FORWARD_BURST, tokens + (now - last) * FORWARD_PER_SECOND)
+        if self._suppressed and now - self._suppressed_since >= 1.0:
+            self.log.warning(
+                "sglang log flood: lines not forwarded (still scanned)",
+                suppressed=self._suppressed,
+            )
+            self.metrics.log_suppressed.inc(self._suppressed)
+            self._suppressed = 0
+        for line in lines:
+            verdict = self.scanner.feed(line)
+            if tokens >= 1.0:
+                tokens -= 1.0
+                level = guess_level(line)
+                getattr(self.sglog, level)(line, source="sglang", stream=stream.value)
+            else:
+                if not self._suppressed:
+                    self._suppressed_since = now
+                self._suppressed += 1
+            if verdict.ready:
+                self.emit(ReadyLine(launch))
+            elif verdict.fatal:
+                self.emit(FatalLog(launch, self.scanner.evidence[:300]))
+            elif verdict.fatal_pending:
+                asyncio.get_running_loop().call_later(FATAL_SETTLE_S, self._settle, launch)
+        self._forward = (tokens, now)
+
+    def _settle(self, launch: int) -> None:
+        # The exception line did not come: the traceback's head is the evidence. A launch that
+        # is no longer current is dropped by the machine.
+        if self.scanner.settle():
+            self.emit(FatalLog(launch, self.scanner.evidence))

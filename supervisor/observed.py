@@ -1,0 +1,263 @@
+"""What the daemon reports: the /status document, the STATUS= line and the metrics.
+
+Fed by the machine's actions (`Transitioned`, `RecordRestart`, ...) and by the effects' results
+(a probe's verdict, a cleaning report, the intent check), never read back for a decision: the
+machine's `Context` is the only state that decides anything. Restarts are counted once, in the
+Prometheus counter; /status reads them from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from supervisor import __version__, intent, log, nvml
+from supervisor.config import Config
+from supervisor.gpu import CleanReport
+from supervisor.machine import (
+    Context,
+    ProbeKind,
+    RecordRestart,
+    State,
+    Transitioned,
+)
+from supervisor.metrics import Metrics
+from supervisor.nvml import Nvml
+from supervisor.probe import ProbeResult
+from supervisor.process import Child
+
+EVENTS_KEPT = 50
+GPU_CACHE_S = 2.0
+
+
+class Observed:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: Context,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx  # read only: for the state, profile and launch times it shows
+        self.metrics = metrics
+        self.clock = clock
+        self.wall = wall
+        self.log = log.get()
+        self.nvml: Nvml | None = None
+        self.child: Child | None = None
+        self.sglang_version = "unknown"
+        self.since_unix = wall()
+        self.detail = ""
+        self.last_restart: dict[str, Any] | None = None
+        self.last_probe: dict[str, Any] | None = None
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.host: dict[str, Any] = {}
+        self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
+        self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        metrics.set_gpu_source(self.gpu_status)
+
+    # ------------------------------------------------------------------ fed by actions
+
+    def transitioned(self, t: Transitioned) -> None:
+        now_unix = self.wall()
+        self.detail = t.detail
+        if t.old is not t.new:
+            self.since_unix = now_unix
+            self.metrics.set_state(t.new, now_unix)
+        launched_at = self.ctx.launched_at
+        if t.new is State.READY and t.old is State.WARMING and launched_at is not None:
+            self.metrics.last_load.set(self.clock() - launched_at)
+        self.events.append(
+            {
+                "at": now_unix,
+                "from": t.old.value,
+                "to": t.new.value,
+                "reason": t.reason,
+                "detail": t.detail,
+            }
+        )
+        level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
+        getattr(self.log, level)(
+            "state",
+            old=t.old.value,
+            new=t.new.value,
+            reason=t.reason,
+            detail=t.detail,
+            profile=self.ctx.profile,
+        )
+
+    def restart(self, action: RecordRestart, tail: list[str]) -> None:
+        self.metrics.restarts.labels(action.reason.value).inc()
+        self.last_restart = {
+            "reason": action.reason.value,
+            "at": self.wall(),
+            "exit_code": action.exit_code,
+            "signal": action.signal,
+            "detail": action.detail,
+            "profile": self.ctx.profile,
+            "log_tail": tail,
+        }
+        self.log.error(
+            "sglang restart",
+            reason=action.reason.value,
+            detail=action.detail,
+            exit_code=action.exit_code,
+            signal=action.signal,
+            log_tail=tail[-30:],
+        )
+
+    def profile(self, old: str | None, new: str) -> None:
+        if old is not None:
+            self.log.warning("profile changed", old=old, new=new)
+        self.metrics.set_profile(new, self.cfg.profile_names)
+
+    # ------------------------------------------------------------------ fed by effects
+
+    def probe(self, kind: ProbeKind, result: ProbeResult, busy: bool) -> None:
+        outcome = "ok" if result.ok else "failed"
+        self.metrics.probe_duration.labels(kind.value, outcome).observe(result.latency_s)
+        if not result.ok:
+            self.metrics.probe_failures.labels(kind.value, result.reason).inc()
+        self.last_probe = {
+            "kind": kind.value,
+            "ok": result.ok,
+            "latency_s": round(result.latency_s, 4),
+            "completion_tokens": result.completion_tokens,
+            "error": result.error,
+            "reason": result.reason,
+            "spec_verify_ct": result.spec_verify_ct,
+            "busy": busy,
+            "at": self.wall(),
+        }
+        if not result.ok:
+            self.log.warning(
+                "probe failed", kind=kind.value, reason=result.reason, error=result.error, busy=busy
+            )
+        else:
+            self.log.debug("probe ok", kind=kind.value, latency_s=result.latency_s)
+
+    def cleaned(self, report: CleanReport) -> None:
+        self.host = report.to_dict()
+        for index, count in report.killed.items():
+            self.metrics.gpu_killed.labels(str(index), self._uuid_of(index)).inc(count)
+        if report.release_seconds is not None:
+            self.metrics.gpu_release.set(report.release_seconds)
+        self._gpus_cache = (0.0, [])
+
+    def intent_checked(
+        self, info: dict[str, Any] | None, mismatches: list[intent.Mismatch]
+    ) -> None:
+        if info is None:
+            self.intent = {"checked": False, "mismatches": [], "error": "server_info unavailable"}
+            return
+        self.metrics.mismatch.clear()
+        for m in mismatches:
+            self.metrics.mismatch.labels(m.arg).set(1)
+            self.log.warning(
+                "server differs from the configuration",
+                arg=m.arg,
+                expected=m.expected,
+                actual=m.actual,
+            )
+        self.intent = {
+            "checked": True,
+            "version": info.get("version"),
+            "mismatches": [
+                {"arg": m.arg, "expected": m.expected, "actual": m.actual} for m in mismatches
+            ],
+        }
+
+    def launched(self, child: Child | None) -> None:
+        self.child = child
+        if child is not None:
+            self.metrics.child_starts.inc()
+            self.metrics.child_start_time.set(child.started_at)
+        else:
+            self.metrics.child_start_time.set(0)
+
+    def sglang(self, version: str) -> None:
+        self.sglang_version = version
+        self.metrics.set_sglang_version(version)
+
+    def gpus_known(self) -> None:
+        # Series per managed GPU exist from the first scrape, so increase() sees the first kill.
+        for g in self.gpu_status():
+            self.metrics.gpu_killed.labels(str(g["index"]), str(g["uuid"]))
+
+    # ------------------------------------------------------------------ read by admin
+
+    def status_line(self) -> str:
+        ctx = self.ctx
+        state = ctx.state
+        parts = [state.value, f"({ctx.profile}"]
+        if state in (State.LAUNCHING, State.LOADING, State.WARMING) and ctx.launched_at:
+            parts[-1] += f", {self.clock() - ctx.launched_at:.0f} s"
+        parts[-1] += ")"
+        if state is State.LOADING:
+            parts.append(f"- waiting for port {self.cfg.sglang.port}")
+        elif state is State.WARMING:
+            parts.append("- decode probe")
+        elif state in (State.READY, State.DEGRADED) and self.last_probe:
+            parts.append(f"- probe {self.last_probe['latency_s'] * 1000:.0f} ms")
+            if state is State.DEGRADED:
+                parts.append(
+                    f"failing {ctx.liveness_failures}/{self.cfg.liveness.failure_threshold}"
+                )
+        if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
+            parts.append(f"- {self.detail}")
+        return " ".join(parts)[:400]
+
+    def gpu_status(self) -> list[dict[str, Any]]:
+        if self.nvml is None:
+            return []
+        at, cached = self._gpus_cache
+        if self.clock() - at < GPU_CACHE_S and cached:
+            return cached
+        try:
+            snaps = nvml.select(self.nvml.snapshot(), self.cfg.gpus.devices)
+            cached = nvml.gpu_status(snaps)
+        except Exception as exc:  # a lost GPU must not break /status or /metrics
+            self.log.warning("gpu snapshot failed", error=str(exc))
+            cached = []
+        self._gpus_cache = (self.clock(), cached)
+        return cached
+
+    def _uuid_of(self, index: int) -> str:
+        for g in self.gpu_status():
+            if g["index"] == index:
+                return str(g["uuid"])
+        return ""
+
+    def status_document(self) -> dict[str, Any]:
+        ctx = self.ctx
+        child = self.child if self.child is not None and self.child.alive() else None
+        return {
+            "state": ctx.state.value,
+            "since": self.since_unix,
+            "detail": self.detail,
+            "status_line": self.status_line(),
+            "profile": ctx.profile,
+            "version": __version__,
+            "sglang_version": self.sglang_version,
+            "config": self.cfg.path,
+            "child": None
+            if child is None
+            else {
+                "pid": child.pid,
+                "started_at": child.started_at,
+                "launch": child.launch,
+                "processes": sorted(i.pid for i in child.known),
+            },
+            "restarts": self.metrics.restart_counts(),
+            "last_restart": self.last_restart,
+            "last_probe": self.last_probe,
+            "liveness_failures": ctx.liveness_failures,
+            "gpus": self.gpu_status(),
+            "host": self.host,
+            "intent": self.intent,
+            "events": list(self.events),
+        }

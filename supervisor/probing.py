@@ -1,0 +1,63 @@
+"""The probes a launch is judged by: the decode probe (`StartProbe`) and the intent check
+(`CheckIntent`), each answered by one result. Verdicts are pure (`probe.judge`,
+`probe.is_busy`, `intent.compare`); this module only asks SGLang over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from supervisor import intent
+from supervisor.command import LaunchSpec
+from supervisor.config import Config
+from supervisor.machine import ProbeDone, ProbeKind
+from supervisor.probe import is_busy, probe, read_progress, server_url
+
+INFO_PATHS = ("/server_info", "/get_server_info")
+
+
+async def decode(
+    http: httpx.AsyncClient, cfg: Config, spec: LaunchSpec, launch: int, kind: ProbeKind
+) -> ProbeDone:
+    """One decode probe against the launch, and whether SGLang was busy meanwhile."""
+    pcfg = cfg.readiness.probe
+    timeout = pcfg.timeout if kind is ProbeKind.READINESS else cfg.liveness.timeout
+    base = server_url(cfg.sglang.host, cfg.sglang.port)
+    # SGLang's own token counter, read around the probe: if it advanced while the probe timed
+    # out, the server is loaded, not hung (and the failure does not count). The first read runs
+    # beside the probe, so a frozen server costs one probe timeout, not more.
+    sample = min(2.0, timeout)
+    first = asyncio.get_running_loop().create_task(read_progress(http, base, sample))
+    result = await probe(http, base, pcfg, spec.speculative, timeout=timeout)
+    before = await first
+    busy = False
+    if result.reason == "timeout" and before is not None:
+        after = await read_progress(http, base, sample)
+        busy = is_busy(result, before, after, pcfg.max_tokens)
+    return ProbeDone(launch, kind, result, busy)
+
+
+async def server_info(http: httpx.AsyncClient, cfg: Config) -> dict[str, Any] | None:
+    """SGLang's resolved arguments (docs/sglang.md, "Endpoints"), or None."""
+    base = server_url(cfg.sglang.host, cfg.sglang.port)
+    for path in INFO_PATHS:
+        with contextlib.suppress(httpx.HTTPError, ValueError, TimeoutError):
+            r = await http.get(base + path, timeout=10.0)
+            if r.status_code == 200 and isinstance(r.json(), dict):
+                info: dict[str, Any] = r.json()
+                return info
+    return None
+
+
+async def check_intent(
+    http: httpx.AsyncClient, cfg: Config, spec: LaunchSpec, meta: Mapping[str, Any]
+) -> tuple[dict[str, Any] | None, list[intent.Mismatch]]:
+    info = await server_info(http, cfg)
+    if info is None:
+        return None, []
+    return info, intent.compare(spec, info, meta)
