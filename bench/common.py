@@ -28,6 +28,8 @@ from typing import Any
 
 import psutil
 
+from testkit.wait import wait_until as kit_wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(sys.executable)
 # Every process the bench starts, and everything those start, inherits this variable; the
@@ -345,10 +347,6 @@ class Observer:
 # ---------------------------------------------------------------------------- small helpers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_status(url: str, timeout: float = 2.0, method: str = "GET", body: str | None = None
@@ -393,14 +391,11 @@ def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") ->
 
 def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.01,
                what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise BenchError(f"{what}: not true within {timeout:g} s")
-        time.sleep(interval)
+    """testkit.wait_until, failing as a BenchError (a bench row says what did not happen)."""
+    try:
+        return kit_wait_until(pred, timeout, what, interval)
+    except AssertionError as exc:
+        raise BenchError(f"{what}: not true within {timeout:g} s") from exc
 
 
 def cpu_seconds(proc: psutil.Process) -> float:

@@ -1,6 +1,6 @@
 """kimi-serve under test: the real `kimi-serve run` process against the real stand-in.
 
-The config starts from the integration tests' `base_config` (tests/integration/harness.py)
+The config starts from the integration tests' `base_config` (testkit/daemon.py)
 and changes only what a benchmark needs to be explicit about: the stand-in's load and warmup
 times, restart back-off 0 (so a recovery shows mechanism, not policy; production waits 5 s
 and the table says so), no crash-loop cut-off, and production liveness timings unless a
@@ -26,7 +26,7 @@ from bench.common import (
 )
 from supervisor import command
 from supervisor import config as config_mod
-from tests.integration.harness import base_config, kill_owned, owned_processes, wait_gone
+from testkit import base_config, kill_owned, owned_processes, wait_gone
 
 BIN = PYTHON.parent / "kimi-serve"
 

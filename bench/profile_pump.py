@@ -26,7 +26,7 @@ from bench.flood import LINE
 from supervisor import config as config_mod
 from supervisor import log
 from supervisor.logscan import LogScanner, Stream, guess_level
-from tests.integration.harness import base_config
+from testkit import base_config
 
 
 def _lines(n: int) -> list[str]:

@@ -35,7 +35,7 @@ def _stamp(value: str) -> float | None:
 class SystemdBox:
     def __init__(self, work: Path) -> None:
         try:
-            from tests.systemd.box import Box, BoxUnavailable
+            from testkit.box import Box, BoxUnavailable
         except ImportError as exc:  # the harness is someone else's file; it may move
             raise Unavailable(f"tests/systemd/box.py cannot be imported: {exc}") from None
         self.box = Box(work / "box")
@@ -58,7 +58,7 @@ class SystemdBox:
 
     def install(self, name: str, argv: Sequence[str], env: Mapping[str, str],
                 workdir: Path, extra: Sequence[str] = ()) -> None:
-        from tests.systemd.box import exec_line
+        from testkit.box import exec_line
 
         lines = [
             "[Unit]",

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.integration.harness import (
+from testkit import (
     BIN,
     base_config,
     owned_processes,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.harness import BIN, base_config, kill_owned
+from testkit import BIN, base_config, kill_owned
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import base_config, running
+from testkit import base_config, running
 from tests.observability.test_dashboard import (
     PROMETHEUS_SERIES,
     dashboard_exprs,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.systemd.box import REPO_ROOT, Box, BoxUnavailable
+from testkit.box import REPO_ROOT, Box, BoxUnavailable
 
 from .debbox import DPKG_DB, contain_dpkg, host_state
 

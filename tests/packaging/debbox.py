@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.systemd.box import Box
+from testkit.box import Box
 
 OVERLAID = ("/var/lib/dpkg", "/opt", "/usr", "/etc")
 DPKG_DB = Path("/var/lib/dpkg")

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from tests.integration.harness import base_config
-from tests.systemd.box import REPO_ROOT, Box, BoxUnavailable
+from testkit import base_config
+from testkit.box import REPO_ROOT, Box, BoxUnavailable
 
 from .debbox import DPKG_DB, HostState, NotContained, check_contained, host_state, in_box, ok
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from supervisor.config import Config, parse
+from testkit import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT = 900.0  # a fresh machine downloads ~1 GB; a built environment returns at once
@@ -43,13 +43,6 @@ def sglang_python() -> str:
     if proc.returncode != 0:
         pytest.fail(f"tools/sglang-cpu-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def model_dir(path: Path) -> str:

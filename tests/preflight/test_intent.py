@@ -18,7 +18,8 @@ import pytest
 from supervisor.command import LaunchSpec, build
 from supervisor.config import load
 from supervisor.intent import Mismatch, compare, expected_server_args, unknown_fields
-from tests.standin.harness import Standin, free_port
+from testkit import free_port
+from tests.standin.harness import Standin
 
 from .conftest import REPO_ROOT, MakeConfig
 

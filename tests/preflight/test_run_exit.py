@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.harness import BIN, base_config, owned_processes
+from testkit import BIN, base_config, owned_processes
 
 
 def _notify_socket(tmp: Path) -> tuple[socket.socket, str]:

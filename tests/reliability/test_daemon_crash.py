@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from supervisor.identity import RECORD_FILE, LaunchRecord, ProcessIdentity, RecordStore
-from tests.integration.harness import base_config, free_port
+from testkit import base_config, free_port
 from tests.reliability.rig import Trial, is_alive, is_event, is_state, supervised, trial
 
 pytestmark = pytest.mark.timeout(90)

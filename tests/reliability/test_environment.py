@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import BIN, base_config, kill_owned, owned_processes
+from testkit import BIN, base_config, kill_owned, owned_processes
 from tests.reliability.rig import (
     MAX_WATCHDOG_GAP_S,
     is_event,

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tests.integration.harness import free_port, owned_processes
+from testkit import free_port, owned_processes
 from tests.reliability.rig import (
     MAX_WATCHDOG_GAP_S,
     RESULTS,

@@ -6,7 +6,9 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-from .harness import Standin, free_port
+from testkit import free_port
+
+from .harness import Standin
 
 MODEL = "/models/kimi-k2.5-int4"
 

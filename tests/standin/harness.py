@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import psutil
 
+import testkit as kit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = "The server is fired up and ready to roll!"
 BOUND_LINE = "Uvicorn running on"
@@ -35,19 +37,8 @@ BASE_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def wait_until(what: str, check: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
+    kit.wait_until(check, timeout, what)
 
 
 def gone(proc: psutil.Process) -> bool:

@@ -8,8 +8,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from testkit import free_port
+
 from .conftest import Launcher
-from .harness import BOUND_LINE, READY_LINE, free_port, wait_gone, wait_until
+from .harness import BOUND_LINE, READY_LINE, wait_gone, wait_until
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(launch: Launcher) -> None:

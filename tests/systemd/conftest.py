@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .box import Box, BoxUnavailable
+from testkit.box import Box, BoxUnavailable
 
 
 @pytest.fixture

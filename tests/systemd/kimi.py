@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .box import REPO_ROOT, Box, exec_line
+from testkit.box import REPO_ROOT, Box, exec_line
 
 UNIT_NAME = "kimi-serve.service"
 UNIT_FILE = REPO_ROOT / "units" / UNIT_NAME

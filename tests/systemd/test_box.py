@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .box import Box, BoxUnavailable, HttpResult, exec_line, remove_cgroup
+from testkit.box import Box, BoxUnavailable, HttpResult, exec_line, remove_cgroup
 
 pytestmark = pytest.mark.systemd
 
@@ -261,12 +261,12 @@ def test_a_box_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A test process killed before stop() leaves no systemd running behind it."""
     if os.geteuid() != 0:
         pytest.skip("no systemd box on this host: booting systemd in namespaces needs root")
-    tests_dir = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     driver_code = (
         "import sys\n"
-        f"sys.path.insert(0, {str(tests_dir)!r})\n"
+        f"sys.path.insert(0, {str(repo)!r})\n"
         "from pathlib import Path\n"
-        "from systemd.box import Box\n"
+        "from testkit.box import Box\n"
         "box = Box(Path(sys.argv[1])).start()\n"
         "print(box.pid, box.cgroup, box.name, flush=True)\n"
         "sys.stdin.read()\n"

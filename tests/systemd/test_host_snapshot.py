@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .box import (
+from testkit.box import (
     TMP_SETTLE_SECONDS,
     Box,
     BoxUnavailable,

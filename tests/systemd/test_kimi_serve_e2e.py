@@ -1,7 +1,7 @@
 """kimi-serve under a real systemd, end to end: the shipped unit, the real daemon, the stand-in.
 
 Each test boots a box (box.py), installs units/kimi-serve.service with the test drop-in
-(kimi.py), points the daemon at the SGLang stand-in (tests/integration/harness.py's
+(kimi.py), points the daemon at the SGLang stand-in (testkit/daemon.py's
 `base_config`) and drives it with systemctl, as an operator would. The box's systemd runs
 at debug log level, so the journal holds every sd_notify message systemd accepted; the
 tests read the order of events from there (journald's receive times) and from the daemon's
@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.harness import base_config
+from testkit import base_config
+from testkit.box import Box
 
-from .box import Box
 from .kimi import (
     UNIT_NAME,
     JournalEntry,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from .box import Box
+from testkit.box import Box
+
 from .kimi import UNIT_FILE, UNIT_NAME, install_kimi_serve
 
 EXAMPLE_DROPIN = UNIT_FILE.parent / f"{UNIT_NAME}.d" / "override.conf.example"

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from supervisor import __version__, cli
+from testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = REPO / "etc" / "kimi-serve.yaml"
@@ -65,14 +66,6 @@ def kimi_serve(*args: str) -> subprocess.CompletedProcess[str]:
     )
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
-
-
-def free_port() -> int:
-    # Bound and closed: nothing listens there afterwards, so a connect is refused.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def contains_run(argv: list[str], run: list[str]) -> bool:

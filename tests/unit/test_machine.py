@@ -32,6 +32,7 @@ from supervisor.machine import (
     ChildExited,
     ChildGone,
     CleanHost,
+    ConfigRead,
     Event,
     Exit,
     FatalLog,
@@ -42,13 +43,17 @@ from supervisor.machine import (
     LaunchFailed,
     Machine,
     NotifyReady,
+    NotifyReloaded,
+    NotifyReloading,
     PortOpen,
     ProbeDone,
     ProbeKind,
     ProfileChanged,
+    ReadConfig,
     ReadyLine,
     Reason,
     RecordRestart,
+    ReloadRequested,
     RestartRequested,
     SetTimer,
     Start,
@@ -59,6 +64,9 @@ from supervisor.machine import (
     TimerFired,
     TimerName,
     Transitioned,
+    Verdict,
+    WatchesEnd,
+    watches_end,
 )
 from supervisor.probe import ProbeResult
 
@@ -1713,3 +1721,99 @@ def test_a_child_stuck_at_stop_exits_1() -> None:
     actions = d.send(ChildGone(1, None, 9, stuck=(4242,)))
     assert d.state is State.STOPPED
     assert Exit(1) in actions
+
+
+# ------------------------------------------------------------------ decisions moved from the daemon
+
+
+def test_reload_before_the_first_ready_sends_no_reloading() -> None:
+    d = Drive().loading()
+    assert d.send(ReloadRequested()) == [ReadConfig()]
+
+
+def test_reload_after_ready_opens_a_reload_job() -> None:
+    d = Drive().ready()
+    assert d.send(ReloadRequested()) == [NotifyReloading(), ReadConfig()]
+
+
+def test_ever_ready_stays_through_a_restart() -> None:
+    d = Drive().ready()
+    d.crash()
+    assert d.m.ctx.ever_ready
+    assert d.send(ReloadRequested()) == [NotifyReloading(), ReadConfig()]
+
+
+def test_an_invalid_reload_keeps_everything_and_says_so() -> None:
+    d = Drive().ready()
+    assert d.send(ConfigRead(Verdict.INVALID)) == [
+        NotifyReloaded(True, " (reload refused: config invalid)")
+    ]
+    d.expect(State.READY)
+
+
+def test_an_invalid_reload_before_ready_is_only_a_status() -> None:
+    d = Drive().warming()
+    assert d.send(ConfigRead(Verdict.INVALID)) == [
+        NotifyReloaded(False, " (reload refused: config invalid)")
+    ]
+
+
+def test_an_unchanged_reload_does_nothing_while_serving() -> None:
+    d = Drive().ready()
+    assert d.send(ConfigRead(Verdict.UNCHANGED)) == [NotifyReloaded(True)]
+    d.expect(State.READY)
+
+
+def test_an_unchanged_reload_while_failed_relaunches() -> None:
+    # `failed` lasts until a reload: the operator fixed the host, not the file.
+    d = Drive().failed()
+    actions = d.send(ConfigRead(Verdict.UNCHANGED))
+    assert actions[0] == NotifyReloaded(False)
+    assert RecordRestart(Reason.RELOAD, None, None, "requested") in actions
+    assert actions[-1] == CleanHost()
+    d.expect(State.CLEANING)
+
+
+def test_a_changed_reload_restarts_gracefully_on_the_primary_profile() -> None:
+    d = Drive().ready()
+    actions = d.send(ConfigRead(Verdict.CHANGED))
+    assert actions[0] == NotifyReloaded(True)
+    assert actions[-1] == StopChild(1, graceful=True)
+    d.expect(State.RESTARTING)
+
+
+def test_restart_requests_are_refused_only_while_stopping() -> None:
+    for path in (Drive.cleaning, Drive.ready, Drive.failed, Drive.restarting):
+        assert path(Drive()).m.refuse_restart() is None
+    assert Drive().stopping().m.refuse_restart() == "the daemon is stopping"
+    assert Drive().stopped().m.refuse_restart() == "the daemon is stopping"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "port", "tree"),
+    [
+        (State.CLEANING, State.LAUNCHING, False, False),
+        (State.LAUNCHING, State.LOADING, False, False),
+        (State.LOADING, State.WARMING, True, True),
+        (State.LOADING, State.RESTARTING, True, False),
+        (State.LAUNCHING, State.STOPPING, True, False),
+        (State.WARMING, State.READY, True, True),
+        (State.READY, State.RESTARTING, True, False),
+        (State.RESTARTING, State.CLEANING, True, True),
+    ],
+)
+def test_which_watchers_a_transition_ends(old: State, new: State, port: bool, tree: bool) -> None:
+    # The port watcher matters only until the port opened; the tree recorder is kept while a
+    # stop may still need to find the launch's descendants.
+    assert watches_end(Transitioned(old, new, "x")) == WatchesEnd(port=port, tree=tree)
+
+
+def test_a_settled_traceback_of_an_earlier_launch_is_dropped() -> None:
+    # The log pump turns a settled traceback into FatalLog for the launch that printed it.
+    d = Drive().ready()
+    old = d.launch
+    d.crash()
+    d.backoff_elapsed()
+    d.bring_up()
+    assert d.send(FatalLog(old, SCHEDULER_EXCEPTION)) == []
+    d.expect(State.READY)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +35,7 @@ from supervisor.probe import (
     read_progress,
     request_for,
 )
+from testkit import free_port
 
 PROMPT = "Say hello in one word"
 GENERATE = ProbeConfig("generate", PROMPT, max_tokens=8, timeout=5.0, expect_regex=None)
@@ -467,13 +467,6 @@ def json_handler(doc: Any, status: int = 200) -> Callable[[web.Request], Awaitab
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(trust_env=False) as c:
         yield c
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------ probe()

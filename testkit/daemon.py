@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import yaml
 
-from supervisor.process import OWNER_ENV
+from testkit.procs import kill_owned, owned_processes, wait_gone
+from testkit.wait import free_port
 
 BIN = Path(sys.executable).parent / "kimi-serve"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def base_config(tmp: Path, **overrides: Any) -> dict[str, Any]:
@@ -102,7 +95,7 @@ def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
 
 
 @dataclass
-class Daemon:
+class DaemonProcess:
     proc: subprocess.Popen[str]
     config_path: Path
     cfg: dict[str, Any]
@@ -206,38 +199,10 @@ class Daemon:
         return int(child["pid"])
 
 
-def owned_processes(owner: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes that carry the daemon's owner marker."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(OWNER_ENV) == owner and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
-
-
-def kill_owned(owner: str) -> None:
-    for proc in owned_processes(owner):
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-
-
-def wait_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p for p in alive if _alive(p)]
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 @contextlib.contextmanager
 def running(
     tmp: Path, cfg: dict[str, Any], env: Mapping[str, str] | None = None
-) -> Iterator[Daemon]:
+) -> Iterator[DaemonProcess]:
     """Start the daemon; on exit stop it and prove nothing of ours is left alive."""
     path = tmp / "kimi-serve.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -250,7 +215,7 @@ def running(
         text=True,
         env=full_env,
     )
-    d = Daemon(proc, path, cfg)
+    d = DaemonProcess(proc, path, cfg)
     d.reader = threading.Thread(target=d._read, daemon=True)
     d.reader.start()
     try:

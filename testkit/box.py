@@ -43,7 +43,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = Path("/lib/systemd/systemd")
 JOURNALD = Path("/lib/systemd/systemd-journald")
 
