@@ -1,0 +1,102 @@
+"""The daemon's loop in process, its effects injected: what it carries out for the machine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from supervisor import config as config_mod
+from supervisor.daemon import Daemon
+from supervisor.effects import Effects
+from supervisor.identity import RecordStore, owner_marker
+from supervisor.machine import ReloadRequested, State, StopRequested, Transitioned
+from supervisor.notify import Notifier
+from supervisor.process import ProcessOwner
+from testkit import base_config
+
+
+class Told(Notifier):
+    """systemd as a list: every message the daemon sends."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._sd = None
+        self.said: list[str] = []
+
+    def _send(self, message: str) -> None:
+        self.said.append(message)
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> Daemon:
+    path = tmp_path / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(base_config(tmp_path)))
+    cfg = config_mod.load(str(path))
+    fx = Effects(
+        owner=ProcessOwner(owner_marker(cfg.state_dir)),
+        store=RecordStore(cfg.state_dir),
+        http=httpx.AsyncClient(trust_env=False),
+        notifier=Told(),
+        clock=lambda: 100.0,
+        wall=lambda: 1_700_000_000.0,
+    )
+    return Daemon(cfg, fx)
+
+
+def told(d: Daemon) -> list[str]:
+    assert isinstance(d.notifier, Told)
+    return d.notifier.said
+
+
+async def test_a_stop_with_nothing_running_exits_and_refuses_restarts(daemon: Daemon) -> None:
+    assert daemon.request_restart() is None
+    assert daemon.queue.qsize() == 1  # the request went to the machine
+    daemon.dispatch(StopRequested("SIGTERM"))
+    assert daemon.machine.state is State.STOPPED
+    assert daemon._exit_code == 0
+    assert daemon.request_restart() == "the daemon is stopping"
+    # Both transitions come from one event: the line shows where the machine ended.
+    assert told(daemon)[0] == "STOPPING=1\nSTATUS=stopped (primary)"
+    doc = daemon.status_document()
+    assert doc["state"] == "stopped" and doc["since"] == 1_700_000_000.0
+    assert [(e["from"], e["to"]) for e in doc["events"]] == [
+        ("starting", "stopping"),
+        ("stopping", "stopped"),
+    ]
+    await daemon.fx.http.aclose()
+
+
+async def test_a_reload_before_the_first_ready_is_status_only(daemon: Daemon) -> None:
+    daemon.dispatch(ReloadRequested())
+    item = await asyncio.wait_for(daemon.queue.get(), 60)  # the file, read off the loop
+    daemon.dispatch(item)
+    assert told(daemon) == ["STATUS=starting (primary)"]
+    await daemon.fx.http.aclose()
+
+
+async def test_a_reload_after_ready_opens_and_ends_a_reload_job(daemon: Daemon) -> None:
+    daemon.machine.ctx.ever_ready = True
+    daemon.dispatch(ReloadRequested())
+    assert told(daemon)[0].startswith("RELOADING=1\nMONOTONIC_USEC=")
+    daemon.dispatch(await asyncio.wait_for(daemon.queue.get(), 60))
+    assert told(daemon)[1:] == ["READY=1\nSTATUS=starting (primary)"]
+    await daemon.fx.http.aclose()
+
+
+async def test_restarts_are_counted_once(daemon: Daemon) -> None:
+    from supervisor.machine import Reason, RecordRestart
+
+    daemon._do(RecordRestart(Reason.EXITED, 1, None, "exit code 1"))
+    daemon._do(RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"))
+    daemon._do(RecordRestart(Reason.MANUAL, None, None, "requested"))
+    assert daemon.status_document()["restarts"] == {"exited": 2, "manual": 1}
+    text = daemon.render_metrics().decode()
+    assert 'kimi_serve_restarts_total{reason="exited"} 2.0' in text
+    assert 'kimi_serve_restarts_total{reason="manual"} 1.0' in text
+    daemon._do(Transitioned(State.STARTING, State.CLEANING, "started"))
+    assert told(daemon)[-1] == "STATUS=starting (primary)"
+    await daemon.fx.http.aclose()
