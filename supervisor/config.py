@@ -165,7 +165,7 @@ class Config:
 
 # Log lines that mean the server is broken even if its process is still up. SGLang spends ~65 s
 # in py-spy / CUDA-coredump steps after a scheduler exception before it exits
-# (sglang-facts.md), so reacting to the line itself saves a minute per crash.
+# (docs/sglang.md, "Shutdown"), so reacting to the line itself saves a minute per crash.
 DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
     # scheduler.py / detokenizer: `logger.error(f"Scheduler hit an exception: {traceback}")`,
     # then SIGQUIT to the parent. A bare "Traceback" is not listed: a rejected client request

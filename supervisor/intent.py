@@ -21,7 +21,7 @@ from typing import Any
 
 from supervisor.command import LaunchSpec
 
-# The probe's evidence that draft + verify really ran (sglang-facts.md, "A real decode probe").
+# The probe's evidence that draft + verify really ran (docs/sglang.md, "Decode probe").
 SPEC_VERIFY_CT = "spec_verify_ct"
 
 # Config flag (with its aliases) -> /server_info field, for the integer speculative settings

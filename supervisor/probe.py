@@ -2,7 +2,7 @@
 
 SGLang's /health submits a 1-token request and answers 200 as soon as any output arrives, so it
 exercises prefill only, never the decode loop, CUDA graphs or the EAGLE draft+verify path. The
-incident server passed /health and died on its first decode (sglang-facts.md). Readiness and
+incident server passed /health and died on its first decode (docs/sglang.md). Readiness and
 liveness here therefore ask for `max_tokens` tokens and check what came back.
 
 `judge()` is pure and total: arbitrary bytes in, a verdict out, never an exception.

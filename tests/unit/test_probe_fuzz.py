@@ -1,7 +1,7 @@
 """`judge()` is total and strict: whatever comes back from the wire, it never raises, and it
 says ok only for an answer that proves decoding ran.
 
-The oracle below restates the rules from the contract (sglang-facts.md, "A real decode probe")
+The oracle below restates the rules from the contract (docs/sglang.md, "Decode probe")
 without reusing the probe's helpers: an answer is valid when it is a JSON object of the right
 schema, its completion token count is a whole number equal to max_tokens (or between 2 and
 max_tokens with a deliberate stop), speculative /generate answers carry spec_verify_ct > 0, and
