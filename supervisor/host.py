@@ -42,71 +42,60 @@ async def clean(
 ) -> HostReady | HostNotReady:
     """Leftovers of earlier launches gone, GPU memory free, port free: or say why not."""
     try:
-        return await _clean(cfg, profile, store, owner, nvml, observed)
+        record = store.load()
+        recorded = set(record.processes) if record else set()
+        leftovers = recorded | set(owner.marked_processes())
+        if leftovers:
+            log.get().warning(
+                "removing processes of an earlier launch", pids=sorted(i.pid for i in leftovers)
+            )
+            stuck = await owner.sweep(leftovers)
+            if stuck:
+                pids = ", ".join(str(i.pid) for i in stuck)
+                return HostNotReady(
+                    f"process {pids} of an earlier launch survives SIGKILL "
+                    "(stuck in the kernel, D state): the host needs attention",
+                    wedged=True,
+                )
+        store.clear()
+        # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
+        spec = command.build(cfg, profile)
+        gpu_count = gpu_counter(nvml, cfg) if nvml is not None else None
+        try:
+            checks = await in_thread(
+                lambda: preflight.host_checks(cfg, [spec], gpu_count), HOST_CHECK_TIMEOUT_S
+            )
+        except TimeoutError:
+            limit = f"{HOST_CHECK_TIMEOUT_S:g}s"
+            return HostNotReady(f"model path checks did not return within {limit} (hung mount?)")
+        problems = preflight.failures(checks)
+        if problems:
+            return HostNotReady(preflight.summary(problems))
+        fds = free_fds()
+        if fds is not None and fds < FD_HEADROOM:
+            # Spawning would fail with EMFILE and count as a crash; it is the host's problem (often
+            # a scraper leaking connections to the admin port) and it can clear.
+            return HostNotReady(
+                f"only {fds} file descriptors left to kimi-serve (RLIMIT_NOFILE); "
+                "leaked admin connections?"
+            )
+        if cfg.gpus.manage and nvml is not None:
+            # No launch of ours runs during cleaning, so nothing is `current`.
+            report = await gpu.clean(
+                cfg.gpus, nvml, current=set(), recorded=recorded, owner=owner.owner
+            )
+            observed.cleaned(report)
+            if not report.ok:
+                return HostNotReady(report.message, wedged=bool(report.wedged))
+        # After GPU cleaning: a leftover SGLang found only there may be what holds the port.
+        port = preflight.check_port(cfg.sglang.host, cfg.sglang.port)
+        if not port.ok:
+            return HostNotReady(f"{port.message} (sglang.port)")
+        return HostReady()
     except OSError as exc:
         # EMFILE, a vanished /proc entry, an unreadable state dir: the host's problem, and one
         # that can clear; never a reason to stop supervising.
         return HostNotReady(f"cannot check the host: {exc}")
-
-
-async def _clean(
-    cfg: Config,
-    profile: str,
-    store: RecordStore,
-    owner: ProcessOwner,
-    nvml: Nvml | None,
-    observed: Observed,
-) -> HostReady | HostNotReady:
-    record = store.load()
-    recorded = set(record.processes) if record else set()
-    leftovers = recorded | set(owner.marked_processes())
-    if leftovers:
-        log.get().warning(
-            "removing processes of an earlier launch", pids=sorted(i.pid for i in leftovers)
-        )
-        stuck = await owner.sweep(leftovers)
-        if stuck:
-            pids = ", ".join(str(i.pid) for i in stuck)
-            return HostNotReady(
-                f"process {pids} of an earlier launch survives SIGKILL "
-                "(stuck in the kernel, D state): the host needs attention",
-                wedged=True,
-            )
-    store.clear()
-    # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
-    spec = command.build(cfg, profile)
-    gpu_count = gpu_counter(nvml, cfg) if nvml is not None else None
-    try:
-        checks = await in_thread(
-            lambda: preflight.host_checks(cfg, [spec], gpu_count), HOST_CHECK_TIMEOUT_S
-        )
-    except TimeoutError:
-        limit = f"{HOST_CHECK_TIMEOUT_S:g}s"
-        return HostNotReady(f"model path checks did not return within {limit} (hung mount?)")
-    problems = preflight.failures(checks)
-    if problems:
-        return HostNotReady(preflight.summary(problems))
-    fds = free_fds()
-    if fds is not None and fds < FD_HEADROOM:
-        # Spawning would fail with EMFILE and count as a crash; it is the host's problem (often
-        # a scraper leaking connections to the admin port) and it can clear.
-        return HostNotReady(
-            f"only {fds} file descriptors left to kimi-serve (RLIMIT_NOFILE); "
-            "leaked admin connections?"
-        )
-    if cfg.gpus.manage and nvml is not None:
-        # No launch of ours runs during cleaning, so nothing is `current`.
-        report = await gpu.clean(
-            cfg.gpus, nvml, current=set(), recorded=recorded, owner=owner.owner
-        )
-        observed.cleaned(report)
-        if not report.ok:
-            return HostNotReady(report.message, wedged=bool(report.wedged))
-    # After GPU cleaning: a leftover SGLang found only there may be what holds the port.
-    port = preflight.check_port(cfg.sglang.host, cfg.sglang.port)
-    if not port.ok:
-        return HostNotReady(f"{port.message} (sglang.port)")
-    return HostReady()
 
 
 def free_fds() -> int | None:

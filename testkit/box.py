@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from testkit.wait import poll
+
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -281,17 +283,14 @@ def wait_for(
 
     Raises TimeoutError naming `what` and the last value seen.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"{what or getattr(predicate, '__name__', 'condition')} not true after "
-                f"{timeout}s; last value: {value!r}"
-            )
-        time.sleep(interval)
+    came, value = poll(predicate, timeout, interval)
+    if not came:
+        raise TimeoutError(
+            f"{what or getattr(predicate, '__name__', 'condition')} not true after "
+            f"{timeout}s; last value: {value!r}"
+        )
+    assert value is not None
+    return value
 
 
 def unit_file_text(text: str) -> str:

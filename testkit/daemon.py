@@ -104,6 +104,28 @@ class DaemonProcess:
     raw: list[str] = field(default_factory=list)
     reader: threading.Thread | None = None
 
+    @classmethod
+    def start(
+        cls,
+        path: Path,
+        cfg: dict[str, Any],
+        env: Mapping[str, str],
+        preexec_fn: Callable[[], Any] | None = None,
+    ) -> DaemonProcess:
+        """`kimi-serve run --config path`, its output read by a thread as it comes."""
+        proc = subprocess.Popen(
+            [str(BIN), "run", "--config", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=preexec_fn,
+        )
+        d = cls(proc, path, cfg)
+        d.reader = threading.Thread(target=d._read, daemon=True)
+        d.reader.start()
+        return d
+
     @property
     def admin(self) -> str:
         return f"http://{self.cfg['admin']['listen']}"
@@ -208,16 +230,8 @@ def running(
     path.write_text(yaml.safe_dump(cfg))
     full_env = {**os.environ, **(env or {})}
     full_env.pop("NOTIFY_SOCKET", None)
-    proc = subprocess.Popen(
-        [str(BIN), "run", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-    )
-    d = DaemonProcess(proc, path, cfg)
-    d.reader = threading.Thread(target=d._read, daemon=True)
-    d.reader.start()
+    d = DaemonProcess.start(path, cfg, full_env)
+    proc = d.proc
     try:
         yield d
     finally:

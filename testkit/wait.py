@@ -32,11 +32,19 @@ def wait_until(
         if not cond.wait(timeout):
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         return True
+    came, value = poll(cond, timeout, interval)
+    if not came:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    return value
+
+
+def poll(cond: Callable[[], T], timeout: float, interval: float = 0.02) -> tuple[bool, T]:
+    """(True, the first truthy value) within `timeout` seconds, else (False, the last value)."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
         if value:
-            return value
+            return True, value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            return False, value
         time.sleep(interval)

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,15 +34,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.process import LAUNCH_ENV, OWNER_ENV
+from testkit import DaemonProcess as Daemon
 from testkit import (
-    BIN,
     NotifyListener,
     base_config,
     kill_owned,
     owned_processes,
     wait_gone,
 )
-from testkit import DaemonProcess as Daemon
 
 # systemd's WatchdogSec=1s: the daemon then pings every 0.5 s (half the interval).
 WATCHDOG_USEC = 1_000_000
@@ -267,17 +265,8 @@ def supervised(
     full_env.pop("WATCHDOG_PID", None)
     full_env["NOTIFY_SOCKET"] = listener.address
     full_env["WATCHDOG_USEC"] = str(WATCHDOG_USEC)
-    proc = subprocess.Popen(
-        [str(BIN), "run", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        preexec_fn=preexec,
-    )
-    d = Daemon(proc, path, cfg)
-    d.reader = threading.Thread(target=d._read, daemon=True)
-    d.reader.start()
+    d = Daemon.start(path, cfg, full_env, preexec_fn=preexec)
+    proc = d.proc
     procs = ProcessLog(d.owner)
     run = Run(d, listener, procs, time.monotonic())
     try:
