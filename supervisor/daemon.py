@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, host, log, preflight, probing, reload
+from supervisor import admin, host, log, probing, reload, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -56,15 +56,12 @@ from supervisor.machine import (
     watches_end,
 )
 from supervisor.notify import watchdog_interval
-from supervisor.nvml import Nvml, NvmlUnavailable
+from supervisor.nvml import Nvml
 from supervisor.observed import Observed
-from supervisor.threads import in_thread
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.
 EXTEND_BY_S = 30.0
 EXTEND_EVERY_S = 10.0
-# SGLang's parser gets 180 s of its own (a cold disk, a slow import); the rest is paths and GPUs.
-PREFLIGHT_TIMEOUT_S = 240.0
 LOOP_ERROR_EVERY_S = 60.0
 # /livez fails when the loop has not turned for this long.
 LOOP_STALE_S = 5.0
@@ -97,13 +94,17 @@ class Daemon:
             cfg, self.machine.ctx, fx.owner, fx.store, self.observed, self.emit, self._spawn
         )
         fx.owner.bind(self.pump.lines, self.launcher.exited)
-        self.nvml: Nvml | None = None
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_code: int | None = None
         self._internal_error = False
         self._beat = self.clock()
         self._loop_errors: dict[str, float] = {}
+
+    @property
+    def nvml(self) -> Nvml | None:
+        """Opened by startup.prepare; kept where /status reads it."""
+        return self.observed.nvml
 
     # ============================================================ lifecycle
 
@@ -148,39 +149,9 @@ class Daemon:
     async def _prepare(self) -> int | None:
         """Checks that must pass before any GPU or process is touched. An exit code, or None."""
         try:
-            self.fx.store.check_writable()
-        except OSError as exc:
-            return self._fatal(
-                f"state directory {self.cfg.state_dir} is not writable: "
-                f"{exc.strerror or exc} (state_dir in {self.cfg.path}, or StateDirectory=)",
-                1,
-            )
-        if self.cfg.gpus.manage:
-            try:
-                self.nvml = self.observed.nvml = self.fx.open_nvml()
-            except NvmlUnavailable as exc:
-                return self._fatal(
-                    f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}", 1
-                )
-            self.observed.gpus_known()
-        gpu_count = host.gpu_counter(self.nvml, self.cfg) if self.nvml is not None else None
-        try:
-            checks, code = await in_thread(
-                lambda: preflight.startup_checks(self.cfg, gpu_count), PREFLIGHT_TIMEOUT_S
-            )
-        except TimeoutError:
-            return self._fatal(f"preflight did not finish within {PREFLIGHT_TIMEOUT_S:g}s", 1)
-        for check in preflight.failures(checks):
-            what = {"check": check.name, "kind": check.kind, "hint": check.hint}
-            self.log.error("preflight", message=check.message, **what)
-        if code is not None:
-            # A flag SGLang rejects, a missing interpreter: no restart fixes it, so exit 78
-            # (RestartPreventExitStatus=) instead of failing ten minutes into a load.
-            return self._fatal(preflight.summary(checks), code)
-        version: str | None = "unknown"
-        with contextlib.suppress(TimeoutError):
-            version = await in_thread(lambda: preflight.sglang_version_for(self.cfg), 60.0)
-        self.observed.sglang(version or "unknown")
+            await startup.prepare(self.cfg, self.fx, self.observed)
+        except startup.CannotStart as exc:
+            return self._fatal(str(exc), exc.code)
         return None
 
     def _loop_exception(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
