@@ -30,7 +30,7 @@ gpus:
 
 def run(cfg: Config, dry_run: bool = False) -> tuple[int, str]:
     out = io.StringIO()
-    code = run_gpu_clean(cfg, dry_run, out)
+    code = run_gpu_clean(cfg, dry_run, out, gpu_sim.open_nvml)  # as the command line does
     return code, out.getvalue()
 
 
