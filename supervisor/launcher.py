@@ -132,7 +132,7 @@ class Launcher:
                 self.log.error("processes survive SIGKILL (D state?)", pids=list(info.stuck))
             else:
                 self.store.clear()
-            self.observed.launched(None)
+            self.observed.stopped()
             self.emit(ChildGone(child.launch, info.exit_code, info.signal, info.stuck))
 
         child.stop_begun = True

@@ -171,13 +171,14 @@ class Observed:
             ],
         }
 
-    def launched(self, child: Child | None) -> None:
+    def launched(self, child: Child) -> None:
         self.child = child
-        if child is not None:
-            self.metrics.child_starts.inc()
-            self.metrics.child_start_time.set(child.started_at)
-        else:
-            self.metrics.child_start_time.set(0)
+        self.metrics.child_starts.inc()
+        self.metrics.child_start_time.set(child.started_at)
+
+    def stopped(self) -> None:
+        # /status keeps showing the child while it is alive (a process stuck after SIGKILL).
+        self.metrics.child_start_time.set(0)
 
     def sglang(self, version: str) -> None:
         self.sglang_version = version
