@@ -1,4 +1,4 @@
-"""The systemd baseline: systemd 252 itself, in the namespaced box of tests/systemd/box.py,
+"""The systemd baseline: systemd 252 itself, in the namespaced box of testkit/box.py,
 running the stand-in as a `Type=exec` unit with `Restart=on-failure`.
 
 That is what a unit without a readiness protocol gets: active (ready) as soon as the exec
@@ -37,7 +37,7 @@ class SystemdBox:
         try:
             from testkit.box import Box, BoxUnavailable
         except ImportError as exc:  # the harness is someone else's file; it may move
-            raise Unavailable(f"tests/systemd/box.py cannot be imported: {exc}") from None
+            raise Unavailable(f"testkit/box.py cannot be imported: {exc}") from None
         self.box = Box(work / "box")
         try:
             self.box.start()

@@ -1,7 +1,7 @@
 """Installing the .deb for real, inside the systemd box, with the host left untouched.
 
 `dpkg -i` writes /opt, /usr, /etc and the dpkg database, and its maintainer scripts add
-a user to /etc/passwd. The box (tests/systemd/box.py) shares the host's file systems:
+a user to /etc/passwd. The box (testkit/box.py) shares the host's file systems:
 its own tmpfs covers /tmp, /var/lib, /var/cache, /var/log, /etc/systemd and /run, but
 /usr, /etc and /opt are the host's, writable. So before anything is installed,
 `contain_dpkg()` mounts, inside the box's private mount namespace, an overlay on each of
