@@ -1324,6 +1324,19 @@ class Invariants:
                     a == StopChild(m.ctx.launch, graceful=False)
                     or a == Transitioned(State.STOPPING, State.STOPPED, "child_stopped")
                     or a == Exit(0)
+                    # restart.mode: exit, handing over: the cleaning's answer ends it.
+                    or (
+                        cfg.restart.mode == "exit"
+                        and isinstance(event, HostReady | HostNotReady)
+                        and (
+                            a == Exit(EX_RESTART_BY_ORCHESTRATOR)
+                            or (
+                                isinstance(a, Transitioned)
+                                and (a.old, a.new, a.reason)
+                                == (State.STOPPING, State.STOPPED, "restart_mode_exit")
+                            )
+                        )
+                    )
                 ), f"{a} while stopping"
         if good_probe:
             self.ready_evidence = True
@@ -1358,7 +1371,10 @@ class Invariants:
                 case NotifyReady():
                     assert became_ready
                 case Exit():
-                    assert a.code == 0
+                    handed_over = cfg.restart.mode == "exit" and isinstance(
+                        event, HostReady | HostNotReady
+                    )
+                    assert a.code == (EX_RESTART_BY_ORCHESTRATOR if handed_over else 0)
                     self.exits += 1
                     assert self.exits == 1, "Exit twice"
                 case StopChild():
@@ -1394,6 +1410,7 @@ CONFIGS = [
     make_cfg(max_restarts=2, threshold=2),
     make_cfg(max_restarts=3, fallback=None, threshold=1),
     make_cfg(max_restarts=2, backoff_initial="0s", backoff_max="1s", window="30s"),
+    make_cfg(max_restarts=2, threshold=2, mode="exit"),
 ]
 RESULTS = st.sampled_from(
     [
