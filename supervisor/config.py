@@ -34,6 +34,11 @@ RESERVED_ARGS = {
     "port": "sglang.port",
 }
 TP_ARGS = ("tp-size", "tensor-parallel-size", "tp")
+RESTART_MODES = ("relaunch", "exit")
+# `${NAME}` in a string value of sglang.args / profiles.*.args: filled in from the daemon's
+# environment when the file is read, so one file serves every node of a multi-node replica
+# (a LeaderWorkerSet gives each pod LWS_WORKER_INDEX and LWS_LEADER_ADDRESS).
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,6 +103,10 @@ class RestartConfig:
     fallback_profile: str | None
     # After this long in `ready`, the backoff starts again from backoff_initial.
     stable_after: float
+    # "relaunch": kimi-serve relaunches SGLang itself. "exit": where it would relaunch after a
+    # restart nobody asked for, it cleans up and exits EX_RESTART_BY_ORCHESTRATOR instead, so an
+    # orchestrator relaunches the whole group (a node of a multi-node replica cannot rejoin).
+    mode: str = "relaunch"
 
 
 @dataclass(frozen=True)
@@ -433,13 +442,32 @@ def _args(r: _Reader, raw: object, path: str) -> dict[str, ArgValue]:
                 # `--name` with no values is an argparse error for nargs="+" flags.
                 r.error(sub, "is an empty list; write null to leave the flag out")
                 continue
-            out[key] = tuple(value)
-        elif value is None or isinstance(value, str | int | float | bool):
+            out[key] = tuple(_expand_env(r, sub, v) for v in value)
+        elif isinstance(value, str):
+            out[key] = _expand_env(r, sub, value)
+        elif value is None or isinstance(value, int | float | bool):
             out[key] = value
         else:
             # A date, a mapping, !!binary ...: str() of it is not what SGLang expects.
             r.error(sub, f"expected a string, number, boolean, list or null; got {_kind(value)}")
     return out
+
+
+def _expand_env(r: _Reader, path: str, value: T) -> T:
+    """`${NAME}` in a string replaced by the variable's value; unset or empty is an error."""
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1)
+        got = os.environ.get(name)
+        if not got:
+            how = "is empty" if got == "" else "is not set"
+            r.error(path, f"{value!r} needs the environment variable {name}, which {how}")
+            return m.group(0)
+        return got
+
+    return _ENV_REF.sub(one, value)  # type: ignore[return-value]
 
 
 def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str | None]:
@@ -541,7 +569,14 @@ def _restart(r: _Reader, raw: object) -> RestartConfig:
     s = r.section(
         raw,
         p,
-        ("backoff_initial", "backoff_max", "crash_loop", "fallback_profile", "stable_after"),
+        (
+            "backoff_initial",
+            "backoff_max",
+            "crash_loop",
+            "fallback_profile",
+            "stable_after",
+            "mode",
+        ),
     )
     cp = f"{p}.crash_loop"
     cs = r.section(s.get("crash_loop"), cp, ("max_restarts", "window"))
@@ -554,6 +589,7 @@ def _restart(r: _Reader, raw: object) -> RestartConfig:
         ),
         fallback_profile=r.get(s, p, "fallback_profile", _opt_string, None),
         stable_after=r.get(s, p, "stable_after", _positive_duration, 600.0),
+        mode=r.get(s, p, "mode", _choice(*RESTART_MODES), "relaunch"),
     )
 
 

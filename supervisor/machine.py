@@ -369,6 +369,10 @@ Action = (
 # time limit (docs/sglang.md, "Shutdown").
 _REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
 PROBE_RETRY_DELAY = 0.25
+# restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
+# EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in
+# RestartPreventExitStatus= and which means "do not retry"; not 1, which an internal error gives.
+EX_RESTART_BY_ORCHESTRATOR = 75
 ILLEGAL = "illegal transition"
 
 
@@ -400,6 +404,8 @@ class Context:
     host_message: str = ""  # why cleaning cannot finish, for STATUS
     host_retries: int = 0
     ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
+    # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
+    handing_over: bool = False
 
 
 class Machine:
@@ -438,6 +444,8 @@ class Machine:
                 return self._stop(event, now)
             case Start() if ctx.state is State.STARTING:
                 return [*self._to(State.CLEANING, "started", now), CleanHost()]
+            case HostReady() | HostNotReady() if ctx.state is State.STOPPING and ctx.handing_over:
+                return self._handed_over(event, now)
             case HostReady() if ctx.state is State.CLEANING:
                 return self._launch(now)
             case HostNotReady() if ctx.state is State.CLEANING:
@@ -718,6 +726,8 @@ class Machine:
         ctx.pending = None
         if reason in _REQUESTED:
             return [*actions, *self._to(State.CLEANING, reason, now), CleanHost()]
+        if rcfg.mode == "exit":
+            return [*actions, *self._hand_over(reason, now)]
         # A launch that served for `stable_after` earns a fresh backoff.
         if ctx.ready_at is not None and now - ctx.ready_at >= rcfg.stable_after:
             ctx.backoff = rcfg.backoff_initial
@@ -745,6 +755,34 @@ class Machine:
                 ]
         return [*actions, SetTimer(TimerName.BACKOFF, self._next_backoff(), ctx.launch)]
 
+    # ------------------------------------------------------------------ restart.mode: exit
+
+    def _hand_over(self, reason: Reason, now: float) -> list[Action]:
+        """Instead of relaunching alone: clean the host, then exit for the orchestrator.
+
+        A node of a multi-node replica cannot rejoin a running group (the others block in NCCL
+        until SGLang's watchdog), so the whole group must relaunch together; under Kubernetes
+        the LeaderWorkerSet's RecreateGroupOnPodRestart does that when this process exits. The
+        old launch is already gone (ChildGone); the cleaning removes what it may have left on
+        the GPUs, so nothing of it outlives the daemon.
+        """
+        self.ctx.handing_over = True
+        detail = f"{reason}: {self.ctx.pending_detail}" if self.ctx.pending_detail else reason
+        return [
+            *self._to(State.STOPPING, "restart_mode_exit", now, detail),
+            *[CancelTimer(n) for n in TimerName],
+            CleanHost(),
+        ]
+
+    def _handed_over(self, event: HostReady | HostNotReady, now: float) -> list[Action]:
+        self.ctx.handing_over = False
+        code = EX_RESTART_BY_ORCHESTRATOR
+        if isinstance(event, HostNotReady):
+            # Exit all the same: the orchestrator's relaunch (maybe elsewhere) is the way on.
+            detail = f"host not clean: {event.message}; exit {code}"
+            return [*self._to(State.STOPPED, "restart_mode_exit", now, detail), Exit(code)]
+        detail = f"exit {code}: the orchestrator relaunches the group"
+        return [*self._to(State.STOPPED, "restart_mode_exit", now, detail), Exit(code)]
 
 def extends_job(state: State, ever_ready: bool) -> bool:
     """Whether systemd's start (or stop) job is still running and must be extended.

@@ -475,3 +475,60 @@ def test_a_profile_named_fallback_is_the_default_fallback() -> None:
     explicit_null = base + "restart: {fallback_profile: null}\n"
     assert config.parse(explicit_null, "t.yaml").restart.fallback_profile is None
     assert config.parse("sglang: {model_path: /m}\n", "t.yaml").restart.fallback_profile is None
+
+
+# ---------------------------------------------------------------- restart.mode, ${NAME} in args
+
+
+def test_restart_mode_defaults_to_relaunch_and_takes_exit() -> None:
+    assert config.parse("sglang: {model_path: /m}\n", "c.yaml").restart.mode == "relaunch"
+    cfg = config.parse("sglang: {model_path: /m}\nrestart: {mode: exit}\n", "c.yaml")
+    assert cfg.restart.mode == "exit"
+
+
+MULTI_NODE_ARGS = """sglang:
+  model_path: /m
+  args:
+    nnodes: 2
+    node-rank: ${LWS_WORKER_INDEX}
+    dist-init-addr: ${LWS_LEADER_ADDRESS}:20000
+    served-model-name: [kimi, "${NAME_SUFFIX}"]
+    chat-template: /t/$HOME.jinja
+profiles:
+  fallback:
+    args:
+      dist-init-addr: "${LWS_LEADER_ADDRESS}:20001"
+"""
+
+
+def test_env_references_in_args_are_filled_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LWS_WORKER_INDEX", "1")
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "kimi-serve-0.kimi-serve.ns")
+    monkeypatch.setenv("NAME_SUFFIX", "k2")
+    cfg = config.parse(MULTI_NODE_ARGS, "c.yaml")
+    assert cfg.sglang.args["node-rank"] == "1"
+    assert cfg.sglang.args["dist-init-addr"] == "kimi-serve-0.kimi-serve.ns:20000"
+    assert cfg.sglang.args["served-model-name"] == ("kimi", "k2")
+    assert cfg.sglang.args["nnodes"] == 2  # non-strings untouched
+    assert cfg.sglang.args["chat-template"] == "/t/$HOME.jinja"  # only ${NAME} is a reference
+    assert cfg.profiles["fallback"].args["dist-init-addr"] == "kimi-serve-0.kimi-serve.ns:20001"
+
+
+def test_unset_or_empty_env_reference_names_key_line_and_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LWS_WORKER_INDEX", raising=False)
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "")
+    monkeypatch.setenv("NAME_SUFFIX", "k2")
+    with pytest.raises(ConfigError) as err:
+        config.parse(MULTI_NODE_ARGS, "c.yaml")
+    got = [(i.path, i.line) for i in err.value.issues]
+    assert got == [
+        ("sglang.args.node-rank", 5),
+        ("sglang.args.dist-init-addr", 6),
+        ("profiles.fallback.args.dist-init-addr", 12),
+    ]
+    text = err.value.render()
+    assert "c.yaml:5: sglang.args.node-rank: '${LWS_WORKER_INDEX}' needs the environment " in text
+    assert "variable LWS_WORKER_INDEX, which is not set" in text
+    assert "variable LWS_LEADER_ADDRESS, which is empty" in text

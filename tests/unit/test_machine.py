@@ -24,6 +24,7 @@ from supervisor.config import PRIMARY, Config
 from supervisor.machine import (
     CHILD_STATES,
     EDGES,
+    EX_RESTART_BY_ORCHESTRATOR,
     PROBE_RETRY_DELAY,
     SERVING,
     Action,
@@ -85,6 +86,7 @@ def make_cfg(
     backoff_max: str = "5m",
     threshold: int = 3,
     stable_after: str = "10m",
+    mode: str = "relaunch",
 ) -> Config:
     text = f"""
 sglang:
@@ -113,6 +115,7 @@ restart:
     window: {window}
   fallback_profile: {"null" if fallback is None else fallback}
   stable_after: {stable_after}
+  mode: {mode}
 gpus:
   manage: false
 """
@@ -1329,6 +1332,19 @@ class Invariants:
                     a == StopChild(m.ctx.launch, graceful=False)
                     or a == Transitioned(State.STOPPING, State.STOPPED, "child_stopped")
                     or a == Exit(0)
+                    # restart.mode: exit, handing over: the cleaning's answer ends it.
+                    or (
+                        cfg.restart.mode == "exit"
+                        and isinstance(event, HostReady | HostNotReady)
+                        and (
+                            a == Exit(EX_RESTART_BY_ORCHESTRATOR)
+                            or (
+                                isinstance(a, Transitioned)
+                                and (a.old, a.new, a.reason)
+                                == (State.STOPPING, State.STOPPED, "restart_mode_exit")
+                            )
+                        )
+                    )
                 ), f"{a} while stopping"
         if good_probe:
             self.ready_evidence = True
@@ -1363,7 +1379,10 @@ class Invariants:
                 case NotifyReady():
                     assert became_ready
                 case Exit():
-                    assert a.code == 0
+                    handed_over = cfg.restart.mode == "exit" and isinstance(
+                        event, HostReady | HostNotReady
+                    )
+                    assert a.code == (EX_RESTART_BY_ORCHESTRATOR if handed_over else 0)
                     self.exits += 1
                     assert self.exits == 1, "Exit twice"
                 case StopChild():
@@ -1399,6 +1418,7 @@ CONFIGS = [
     make_cfg(max_restarts=2, threshold=2),
     make_cfg(max_restarts=3, fallback=None, threshold=1),
     make_cfg(max_restarts=2, backoff_initial="0s", backoff_max="1s", window="30s"),
+    make_cfg(max_restarts=2, threshold=2, mode="exit"),
 ]
 RESULTS = st.sampled_from(
     [
@@ -1817,3 +1837,179 @@ def test_a_settled_traceback_of_an_earlier_launch_is_dropped() -> None:
     d.bring_up()
     assert d.send(FatalLog(old, SCHEDULER_EXCEPTION)) == []
     d.expect(State.READY)
+# ------------------------------------------------------------------ restart.mode: exit
+
+EXIT_CFG = make_cfg(mode="exit")
+GONE = ChildGone(1, None, 9)
+
+
+def _unasked(path: Callable[[Drive], Drive], *steps: Event) -> Callable[[], Any]:
+    """A path in exit mode, then the events that end the launch without anyone asking; gives
+    the driver and the actions of the last step (the one after which SGLang is gone)."""
+
+    def run() -> tuple[Drive, list[Action]]:
+        d = path(Drive(EXIT_CFG))
+        actions: list[Action] = []
+        for event in steps:
+            actions = d.send(event, after=1)
+        return d, actions
+
+    return run
+
+
+# Every way a launch ends unasked: the steps, the reason recorded, a piece of its detail.
+UNASKED: dict[str, tuple[Callable[[], Any], Reason, str]] = {
+    "exit while ready": (
+        _unasked(Drive.ready, ChildExited(1, None, 9), GONE),
+        Reason.EXITED,
+        "killed by signal 9",
+    ),
+    "fatal line while loading": (
+        _unasked(Drive.loading, FatalLog(1, SCHEDULER_EXCEPTION), GONE),
+        Reason.FATAL_LOG,
+        SCHEDULER_EXCEPTION,
+    ),
+    "load timeout while warming": (
+        _unasked(Drive.warming, TimerFired(TimerName.LOAD, 1), GONE),
+        Reason.LOAD_TIMEOUT,
+        "no decode within 1800s",
+    ),
+    "readiness probe failed": (
+        _unasked(Drive.warming, ProbeDone(1, ProbeKind.READINESS, failed_result()), GONE),
+        Reason.READINESS_FAILED,
+        failed_result().error or failed_result().reason,
+    ),
+    "liveness failed threshold times": (
+        _unasked(Drive.ready, *[ProbeDone(1, ProbeKind.LIVENESS, failed_result())] * 3, GONE),
+        Reason.LIVENESS_FAILED,
+        "(3/3)",
+    ),
+    "gone without an exit event": (
+        _unasked(Drive.degraded, ChildGone(1, 1, None)),
+        Reason.EXITED,
+        "exit code 1",
+    ),
+    "exec failed": (
+        _unasked(Drive.launching, LaunchFailed(1, "cannot start /opt/sglang/venv/bin/python")),
+        Reason.EXITED,
+        "cannot start /opt/sglang/venv/bin/python",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNASKED))
+def test_exit_mode_records_stops_and_cleans_instead_of_backing_off(case: str) -> None:
+    run, reason, detail = UNASKED[case]
+    d, actions = run()
+    record = of(RecordRestart, actions)
+    assert len(record) == 1 and record[0].reason is reason and detail in record[0].detail
+    after = actions[actions.index(record[0]) + 1 :]
+    assert after == [
+        Transitioned(
+            State.RESTARTING, State.STOPPING, "restart_mode_exit", f"{reason}: {record[0].detail}"
+        ),
+        *ALL_TIMERS,
+        CleanHost(),
+    ]
+    assert not backoff_delays(actions)
+    assert (d.state, d.m.ctx.child, d.m.ctx.launch) == (State.STOPPING, False, 1)
+
+
+@pytest.mark.parametrize("case", list(UNASKED))
+def test_exit_mode_exits_75_once_the_host_is_clean(case: str) -> None:
+    d, _ = UNASKED[case][0]()
+    assert d.send(HostReady(), after=2) == [
+        Transitioned(
+            State.STOPPING,
+            State.STOPPED,
+            "restart_mode_exit",
+            "exit 75: the orchestrator relaunches the group",
+        ),
+        Exit(75),
+    ]
+    assert d.state is State.STOPPED
+
+
+def test_exit_mode_exit_status_is_neither_success_nor_config_nor_internal_error() -> None:
+    # 0 would not restart a Kubernetes container with restartPolicy OnFailure; 78 is EX_CONFIG
+    # (systemd's RestartPreventExitStatus=); 1 is what an internal error exits with.
+    assert EX_RESTART_BY_ORCHESTRATOR == 75
+    assert EX_RESTART_BY_ORCHESTRATOR not in (0, 1, 78)
+
+
+def test_exit_mode_exits_even_when_the_host_cannot_be_cleaned() -> None:
+    d, _ = UNASKED["exit while ready"][0]()
+    actions = d.send(HostNotReady("GPU memory still held on GPU 3"), after=60)
+    assert actions == [
+        Transitioned(
+            State.STOPPING,
+            State.STOPPED,
+            "restart_mode_exit",
+            "host not clean: GPU memory still held on GPU 3; exit 75",
+        ),
+        Exit(75),
+    ]
+
+
+def test_exit_mode_sigterm_while_cleaning_waits_for_the_cleaning() -> None:
+    d, _ = UNASKED["exit while ready"][0]()
+    assert d.send(StopRequested()) == []
+    assert d.send(StopRequested("SIGINT")) == []  # nothing to kill: SGLang is already gone
+    assert of(Exit, d.send(HostReady())) == [Exit(75)]
+
+
+def test_exit_mode_ignores_stale_events_while_handing_over() -> None:
+    d, _ = UNASKED["exit while ready"][0]()
+    for event in events(
+        TimerFired(TimerName.BACKOFF, 1),
+        TimerFired(TimerName.LOAD, 1),
+        ChildExited(1, None, 9),
+        ChildGone(1, None, 9),
+        PortOpen(1),
+        ProbeDone(1, ProbeKind.LIVENESS, ok_result()),
+        RestartRequested(Reason.MANUAL),
+    ):
+        assert d.send(event) == [], event
+    assert d.state is State.STOPPING and d.m.ctx.handing_over
+
+
+def test_exit_mode_a_second_cleaning_result_does_nothing() -> None:
+    d, _ = UNASKED["exit while ready"][0]()
+    d.send(HostReady())
+    assert d.send(HostReady()) == []
+    assert d.send(HostNotReady("late")) == []
+    assert d.state is State.STOPPED
+
+
+@pytest.mark.parametrize("reason", [Reason.MANUAL, Reason.RELOAD])
+def test_exit_mode_still_relaunches_in_place_when_asked(reason: Reason) -> None:
+    # An operator's restart or a reload is not a failure of the group's launch on this node
+    # alone; it drains and relaunches here as in relaunch mode.
+    d = Drive(EXIT_CFG).ready()
+    assert d.send(RestartRequested(reason))[-1] == StopChild(1, graceful=True)
+    actions = d.send(ChildGone(1, 0, None), after=3)
+    assert transitions(actions) == [(State.RESTARTING, State.CLEANING)]
+    assert actions[-1] == CleanHost() and not d.m.ctx.handing_over
+
+
+def test_exit_mode_a_process_stuck_in_the_driver_still_fails() -> None:
+    # Exiting cannot free a GPU held by a process in D state; the pod would not terminate
+    # either. `failed` says so and stays (the same as relaunch mode).
+    d = Drive(EXIT_CFG).restarting()
+    actions = d.send(ChildGone(1, None, 9, stuck=(77,)))
+    assert transitions(actions) == [(State.RESTARTING, State.FAILED)]
+    assert not of(Exit, actions)
+
+
+def test_exit_mode_a_stop_requested_before_anything_failed_exits_0() -> None:
+    d = Drive(EXIT_CFG).ready()
+    d.send(StopRequested())
+    assert of(Exit, d.send(ChildGone(1, 0, None), after=3)) == [Exit(0)]
+
+
+def test_relaunch_mode_is_the_default_and_backs_off() -> None:
+    assert CFG.restart.mode == "relaunch"
+    d = Drive().ready()
+    actions = d.crash()
+    assert backoff_delays(actions) == [5.0] and not of(CleanHost, actions)
+    assert d.state is State.RESTARTING and not d.m.ctx.handing_over
