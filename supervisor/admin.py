@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Access(Enum):
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 AUTHENTICATED = web.RequestKey("authenticated", bool)
+GATE: web.AppKey[_Gate] = web.AppKey("gate")
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,18 @@ def build_app(
     async def _guard(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        gate = request.app.get(GATE)
+        if gate is None:
+            return await _checked(request, handler)
+        gate.request(request.transport, +1)
+        try:
+            return await _checked(request, handler)
+        finally:
+            gate.request(request.transport, -1)
+
+    async def _checked(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > limits.max_body_bytes:
             return web.Response(status=413, text=f"413: body over {limits.max_body_bytes} bytes\n")
@@ -290,31 +304,67 @@ _BUSY = (
 
 
 class _Gate:
-    """Counts open connections; over the limit a connection gets _BUSY and is closed."""
+    """Open connections, at most `limit`. At the limit a new connection takes the place of the
+    one idle longest (no request in progress, nothing received for `evict_idle_s`), so a client
+    that hoards connections cannot lock out Prometheus, a probe or an operator; only when every
+    connection is busy does the newcomer get a 503 and is closed."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, evict_idle_s: float = 0.5) -> None:
         self.limit = limit
-        self.open = 0
+        self.evict_idle_s = evict_idle_s
+        self.live: set[_Counted] = set()
+        self.by_transport: dict[asyncio.BaseTransport, _Counted] = {}
         self.refused = 0
+        self.evicted = 0
         self._logged_at = -60.0
+
+    @property
+    def open(self) -> int:
+        return len(self.live)
 
     def factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         def make() -> asyncio.Protocol:
-            if self.open >= self.limit:
+            now = time.monotonic()
+            if len(self.live) >= self.limit and not self._evict_one(now):
                 self.refused += 1
-                now = time.monotonic()
-                if now - self._logged_at >= 60.0:
-                    self._logged_at = now
-                    log.get().warning(
-                        "admin connections over the limit; refusing",
-                        limit=self.limit,
-                        refused_total=self.refused,
-                    )
+                self._warn(now)
                 return _Busy()
-            self.open += 1
-            return _Counted(inner(), self)
+            conn = _Counted(inner(), self, now)
+            self.live.add(conn)
+            return conn
 
         return make
+
+    def _evict_one(self, now: float) -> bool:
+        idle = [
+            c
+            for c in self.live
+            if c.transport is not None and not c.in_flight and now - c.last >= self.evict_idle_s
+        ]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.last)
+        self.evicted += 1
+        oldest.forget()
+        assert oldest.transport is not None
+        oldest.transport.abort()
+        return True
+
+    def _warn(self, now: float) -> None:
+        if now - self._logged_at >= 60.0:
+            self._logged_at = now
+            log.get().warning(
+                "admin connections over the limit, all busy; refusing",
+                limit=self.limit,
+                refused_total=self.refused,
+            )
+
+    def request(self, transport: asyncio.BaseTransport | None, delta: int) -> None:
+        """A request starts (+1) or ends (-1) on this connection: not idle meanwhile."""
+        conn = self.by_transport.get(transport) if transport is not None else None
+        if conn is not None:
+            conn.in_flight += delta
+            conn.last = time.monotonic()
 
 
 class _Busy(asyncio.Protocol):
@@ -327,13 +377,19 @@ class _Busy(asyncio.Protocol):
 class _Counted(asyncio.Protocol):
     """aiohttp's protocol, unchanged, with the connection counted in and out."""
 
-    def __init__(self, inner: asyncio.Protocol, gate: _Gate) -> None:
-        self.inner, self.gate, self.closed = inner, gate, False
+    def __init__(self, inner: asyncio.Protocol, gate: _Gate, now: float) -> None:
+        self.inner, self.gate, self.last = inner, gate, now
+        self.transport: asyncio.Transport | None = None
+        self.in_flight = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.gate.by_transport[transport] = self
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        self.last = time.monotonic()
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -345,11 +401,45 @@ class _Counted(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.inner.resume_writing()
 
+    def forget(self) -> None:
+        self.gate.live.discard(self)
+        if self.transport is not None:
+            self.gate.by_transport.pop(self.transport, None)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed:
-            self.closed = True
-            self.gate.open -= 1
+        self.forget()
         self.inner.connection_lost(exc)
+
+
+class _OneLine(logging.Handler):
+    """aiohttp's own log (a malformed request, a handler that raised) as one line without a
+    traceback, at most `_DeniedLog`'s rate: garbage from a client must not flood the log or
+    put tracebacks in front of an operator."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.limiter = _DeniedLog()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ok, suppressed = self.limiter.allow(time.monotonic())
+        if not ok:
+            return
+        exc = record.exc_info[1] if record.exc_info else None
+        detail = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
+        log.get().warning(
+            "admin request failed",
+            message=record.getMessage(),
+            error=f"{type(exc).__name__}: {detail}" if exc is not None else None,
+            **({"suppressed": suppressed} if suppressed else {}),
+        )
+
+
+def _server_logger() -> logging.Logger:
+    logger = logging.getLogger("kimi-serve.admin.http")
+    if not logger.handlers:
+        logger.addHandler(_OneLine())
+        logger.propagate = False
+    return logger
 
 
 @dataclass
@@ -372,11 +462,13 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits = Lim
         max_line_size=limits.max_line_size,
         max_field_size=limits.max_field_size,
         max_headers=limits.max_headers,
+        logger=_server_logger(),
     )
+    gate = _Gate(limits.max_connections)
+    app[GATE] = gate
     await runner.setup()
     server = runner.server
     assert server is not None
-    gate = _Gate(limits.max_connections)
     loop = asyncio.get_running_loop()
     try:
         listener = await loop.create_server(gate.factory(server), host, port, reuse_address=True)

@@ -473,29 +473,58 @@ async def test_slow_clients_are_cut_off_and_others_are_served(tmp_path: Path) ->
         await served.stop()
 
 
-async def test_connections_over_the_limit_get_503_and_free_slots_are_reused(
-    tmp_path: Path,
-) -> None:
+async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path) -> None:
     limits = admin.Limits(max_connections=8)
     _, served = await open_endpoint(tmp_path, limits=limits)
     try:
-        idle = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(8)]
-        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
-        assert served.gate.refused == 1
-        for _, writer in idle:
-            writer.close()
-            await writer.wait_closed()
-
-        async def freed() -> None:
-            while served.gate.open:
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(freed(), 5)
+        hoard = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(8)]
+        await asyncio.sleep(0.6)  # idle longer than the gate's eviction threshold
         answer = await raw_request(
             served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
         assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert served.gate.evicted == 1 and served.gate.refused == 0
+        # The oldest hoarded connection is the one that was closed.
+        reader, _ = hoard[0]
+        assert await asyncio.wait_for(reader.read(), 1) == b""
+        for _, writer in hoard:
+            writer.close()
+    finally:
+        await served.stop()
+
+
+async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_get_503(
+    tmp_path: Path,
+) -> None:
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def drain() -> dict[str, Any]:
+        started.append(1)
+        await release.wait()
+        return {"drained": True}
+
+    limits = admin.Limits(max_connections=4)
+    backend, served = await open_endpoint(tmp_path, on_drain=drain, limits=limits)
+    token = Path(backend.cfg.admin.token_file).read_text().strip()
+    request = (
+        f"POST /drain HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        "Connection: close\r\nContent-Length: 0\r\n\r\n"
+    ).encode()
+    try:
+        drains = [asyncio.create_task(raw_request(served.port, request)) for _ in range(4)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(started) < 4 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(started) == 4
+        await asyncio.sleep(0.6)  # long-running requests are never "idle"
+        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+        assert (served.gate.refused, served.gate.evicted) == (1, 0)
+        release.set()
+        for answer in await asyncio.gather(*drains):
+            assert answer.startswith(b"HTTP/1.1 200"), answer
     finally:
         await served.stop()
 
