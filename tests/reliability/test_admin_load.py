@@ -189,7 +189,9 @@ def test_idle_admin_connections_never_stop_a_relaunch(tmp_path: Path) -> None:
         held = run.d.wait_for(settled, timeout=30, what="the relaunch, or its trouble")
         conns.close()  # the scraper goes away
         assert not is_state("failed")(held), f"gave up for good: {held}"
-        run.d.wait_for(is_state("ready"), timeout=20, what="ready again")
+        # The admin port holds at most Limits.max_connections of them (the others are closed
+        # at once), so the relaunch never runs short of descriptors.
+        assert retries == [] and is_state("ready")(held), (retries, held)
         t.recovered = True
 
 
