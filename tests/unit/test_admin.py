@@ -566,3 +566,19 @@ def test_a_non_loopback_listen_needs_allow_remote(listen: str) -> None:
 def test_loopback_listen_needs_nothing(listen: str) -> None:
     cfg = config.parse(f"sglang: {{model_path: /m}}\nadmin: {{listen: '{listen}'}}\n", "t.yaml")
     assert cfg.admin.allow_remote is False
+
+
+# ------------------------------------------------------------------- the status summary
+
+
+def test_the_summary_says_what_a_tokenless_status_left_out(tmp_path: Path) -> None:
+    from supervisor import status
+
+    whole = Backend(tmp_path).status_document()
+    shown = status.render(whole, now=2.0)
+    assert SGLANG_LINE in shown and "admin token" not in shown
+    redacted = admin.redact(whole)
+    redacted["redacted"] = sorted(admin.SGLANG_TEXT_KEYS)
+    shown = status.render(redacted, now=2.0)
+    assert SGLANG_LINE not in shown and "Last restart: fatal_log" in shown
+    assert "shown with the admin token" in shown
