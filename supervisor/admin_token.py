@@ -58,7 +58,7 @@ def ensure(path: str) -> Token:
 
 def _create(path: str) -> None:
     target = Path(path)
-    _check_directory(target.parent)
+    check_directory(target.parent)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -87,7 +87,8 @@ def _create(path: str) -> None:
         os.close(dir_fd)
 
 
-def _check_directory(directory: Path) -> None:
+def check_directory(directory: Path) -> None:
+    """Refuse a directory for the token that someone other than us (or root) could write."""
     try:
         st = directory.stat()
     except OSError as exc:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from supervisor import __version__
@@ -88,15 +89,18 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _token_file_problem(cfg: Config) -> str | None:
-    """An existing token file that others could read: refused before anything starts, with
-    78, since no restart fixes it. (An absent file is created by the admin endpoint.)"""
+    """An existing token file that others could read, or a directory for it that others
+    could write: refused before anything starts, with 78, since no restart fixes it. (An
+    absent file is created by the admin endpoint.)"""
     from supervisor import admin_token
 
     path = cfg.admin.token_file
-    if not os.path.lexists(path):
-        return None
+    directory = Path(path).parent
     try:
-        admin_token.load(path)
+        if os.path.lexists(path):
+            admin_token.load(path)
+        elif directory.is_dir():
+            admin_token.check_directory(directory)
     except admin_token.TokenFileError as exc:
         return f"{exc.message} (admin.token_file in {cfg.path})"
     return None

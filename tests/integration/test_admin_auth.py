@@ -114,3 +114,16 @@ def test_a_remote_listen_without_allow_remote_is_78(tmp_path: Path) -> None:
         assert f"{path}:" in done.stderr and "admin.listen: 0.0.0.0:29400 is not a loopback" in (
             done.stderr
         )
+
+
+def test_a_token_directory_others_can_write_stops_the_start_with_78(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path)
+    state = Path(cfg["state_dir"])
+    state.mkdir()
+    state.chmod(0o777)
+    path = tmp_path / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = kimi_serve("run", "--config", str(path))
+    assert done.returncode == 78, done
+    assert f"{state} (where the admin token file goes) is writable by others" in done.stderr
+    assert not (state / "admin.token").exists()
