@@ -4,8 +4,9 @@
 aiohttp serves it on the daemon's own event loop, so an answer from /livez is itself proof
 that the loop runs. Every request passes one middleware (`_guard`) before any handler: every
 method other than GET/HEAD needs the bearer token of `admin.token_file`, whatever the route,
-so a POST route added later cannot forget it. GET /status with the token is whole; without
-one it leaves out what SGLang printed (`redact`). See docs/security.md for the threat model.
+and so does a GET route not marked open, so a route added later cannot forget it. GET
+/status with the token is whole; without one it leaves out what SGLang printed (`redact`).
+See docs/security.md for the threat model.
 
 The endpoint must stay responsive, and never stall the loop, whatever a client sends: bodies
 are bounded (`Limits.max_body_bytes`), a connection that does not deliver its request headers
@@ -56,9 +57,13 @@ class Refused(Exception):
 
 
 class Access(Enum):
+    """What a route asks of a client; a handler is marked with `@access(...)` in build_app."""
+
     OPEN = "open"  # the token is not looked at: Prometheus, load balancers, probes
     VIEW = "view"  # a token is optional; with it the answer is whole, a wrong one is 401
-    OPERATE = "operate"  # the token is required; every method but GET/HEAD is this
+    # The token is required: every method but GET/HEAD, whatever the mark, and every route
+    # that carries no mark.
+    OPERATE = "operate"
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
@@ -207,7 +212,11 @@ def build_app(
         if length is not None and length > limits.max_body_bytes:
             return web.Response(status=413, text=f"413: body over {limits.max_body_bytes} bytes\n")
         route = request.match_info.route
-        access = getattr(route.handler, "access", Access.OPEN) if route else Access.OPEN
+        if route is None or route.resource is None:
+            access = Access.OPEN  # no such route: the 404 reveals nothing
+        else:
+            # A route that does not say otherwise needs the token, GET included.
+            access = getattr(route.handler, "access", Access.OPERATE)
         if request.method not in SAFE_METHODS:
             access = Access.OPERATE
         presented = _presented(request)

@@ -291,9 +291,10 @@ async def test_every_route_but_get_needs_the_token_including_later_ones(tmp_path
         done.append("later")
         return web.Response(text="done\n")
 
-    # A route someone adds later, with no word about authentication.
+    # Routes someone adds later, with no word about authentication.
     app.router.add_put("/later", later)
     app.router.add_delete("/later", later)
+    app.router.add_get("/later-view", later)
     served = await admin.serve(app, "127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{served.port}") as c:
@@ -304,9 +305,12 @@ async def test_every_route_but_get_needs_the_token_including_later_ones(tmp_path
                 assert resource is not None
                 r = await c.request(route.method, resource.canonical)
                 assert r.status_code == 401, (route.method, resource.canonical)
+            # An unmarked GET route needs the token too.
+            assert (await c.get("/later-view")).status_code == 401
             # An unknown path and method: refused before routing says whether it exists.
             assert (await c.post("/nowhere")).status_code == 401
             assert (await c.patch("/metrics")).status_code == 401
+            assert (await c.get("/nowhere")).status_code == 404
             token = Path(path).read_text().strip()
             r = await c.put("/later", headers={"Authorization": f"Bearer {token}"})
             assert r.status_code == 200
@@ -315,6 +319,12 @@ async def test_every_route_but_get_needs_the_token_including_later_ones(tmp_path
             "kimi_serve_admin_denied_total", {"endpoint": "other"}
         )
         assert other == 2
+        assert (
+            backend.metrics.registry.get_sample_value(
+                "kimi_serve_admin_denied_total", {"endpoint": "/later-view"}
+            )
+            == 1
+        )
     finally:
         await served.stop()
 
