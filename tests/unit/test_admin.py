@@ -280,7 +280,9 @@ async def test_drain_without_a_callback_is_501_and_refused_is_409(tmp_path: Path
         await served.stop()
 
 
-async def test_every_route_but_get_needs_the_token_including_later_ones(tmp_path: Path) -> None:
+async def test_every_route_not_marked_open_needs_the_token_including_later_ones(
+    tmp_path: Path,
+) -> None:
     backend = Backend(tmp_path)
     path = backend.cfg.admin.token_file
     auth = admin._Auth(path, admin_token.ensure(path))
