@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from supervisor import __version__
@@ -16,7 +17,9 @@ from supervisor.preflight import EX_CONFIG
 
 EX_OK = 0
 EX_FAIL = 1
-# `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py.
+# `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py;
+# `restart`, `drain`, `undrain` theirs (0, 1 refused, 4 unreachable, 77 no permission):
+# see supervisor/control.py.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,8 +87,33 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
         Notifier().status("failed to start: configuration invalid (see the log)")
         return EX_CONFIG
+    problem = _token_file_problem(cfg)
+    if problem:
+        from supervisor.notify import Notifier
+
+        print(problem, file=err)
+        Notifier().status(f"failed to start: {problem}")
+        return EX_CONFIG
     log.setup(cfg.logging.format, cfg.logging.level)
     return asyncio.run(Daemon(cfg, Effects.real(cfg, open_nvml=_open_nvml)).run())
+
+
+def _token_file_problem(cfg: Config) -> str | None:
+    """An existing token file that others could read, or a directory for it that others
+    could write: refused before anything starts, with 78, since no restart fixes it. (An
+    absent file is created by the admin endpoint.)"""
+    from supervisor import admin_token
+
+    path = cfg.admin.token_file
+    directory = Path(path).parent
+    try:
+        if os.path.lexists(path):
+            admin_token.load(path)
+        elif directory.is_dir():
+            admin_token.check_directory(directory)
+    except admin_token.TokenFileError as exc:
+        return f"{exc.message} (admin.token_file in {cfg.path})"
+    return None
 
 
 def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -139,13 +167,41 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import status
 
-    # With --url the daemon is found without the config file.
+    # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
-        return status.run_status_command(args.url, args.json, out, err)
+        token = _token_if_readable(args.token_file)
+        return status.run_status_command(args.url, args.json, out, err, token)
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    return status.run_status_command(f"http://{cfg.admin.listen}", args.json, out, err)
+    token = _token_if_readable(args.token_file or cfg.admin.token_file)
+    return status.run_status_command(f"http://{cfg.admin.listen}", args.json, out, err, token)
+
+
+def _token_if_readable(path: str | None) -> str | None:
+    """`status` uses the token when this user may read it, and goes without it silently."""
+    from supervisor import admin_token
+
+    if not path:
+        return None
+    try:
+        return admin_token.read_for_client(path)
+    except admin_token.TokenFileError:
+        return None
+
+
+def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import control
+
+    if args.url and args.token_file:
+        base, token_file = args.url, args.token_file
+    else:
+        cfg = _load(args, err)
+        if cfg is None:
+            return EX_CONFIG
+        base = args.url or f"http://{cfg.admin.listen}"
+        token_file = args.token_file or cfg.admin.token_file
+    return control.run_operation(args.command, base, token_file, args.timeout, out, err)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -167,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_help = (
         f"config file (default ${config_mod.CONFIG_ENV}, else {config_mod.DEFAULT_CONFIG_PATH})"
     )
+    token_help = "admin token file (default admin.token_file of the config)"
 
     def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -191,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("status", cmd_status, "ask a running daemon for its state")
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
+    p.add_argument("--token-file", metavar="FILE", help=token_help)
+    from supervisor.control import WHAT
+
+    for name, timeout in (("restart", 10.0), ("drain", 600.0), ("undrain", 30.0)):
+        p = add(name, cmd_operation, WHAT[name])
+        p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
+        p.add_argument("--token-file", metavar="FILE", help=token_help)
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=timeout,
+            metavar="SECONDS",
+            help=f"how long to wait for the answer (default {timeout:g})",
+        )
     p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
     p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
     p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")

@@ -7,6 +7,7 @@ line, so an operator fixes a broken config in one pass. Nothing after `load()` r
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -128,6 +129,10 @@ class GpusConfig:
 class AdminConfig:
     host: str
     port: int
+    # Bearer token for the mutating endpoints; default <state_dir>/admin.token (docs/security.md).
+    token_file: str = ""
+    # Serving the endpoint beyond loopback must be asked for (admin.allow_remote).
+    allow_remote: bool = False
 
     @property
     def listen(self) -> str:
@@ -640,12 +645,44 @@ def _gpus(r: _Reader, raw: object) -> GpusConfig:
     )
 
 
-def _admin(r: _Reader, raw: object) -> AdminConfig:
+def _admin(r: _Reader, raw: object, state_dir: str) -> AdminConfig:
     p = "admin"
-    s = r.section(raw, p, ("listen",))
+    s = r.section(raw, p, ("listen", "token_file", "allow_remote"))
     listen = r.get(s, p, "listen", lambda v: parse_listen(_string(v)), ("127.0.0.1", 29400))
     host, port = listen if listen else ("127.0.0.1", 29400)
-    return AdminConfig(host=host, port=port)
+    token_file = r.get(s, p, "token_file", _opt_absolute_path, None)
+    return AdminConfig(
+        host=host,
+        port=port,
+        token_file=token_file or default_token_file(state_dir),
+        allow_remote=r.get(s, p, "allow_remote", _bool, False),
+    )
+
+
+def _opt_absolute_path(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _string(value)
+    if not os.path.isabs(text):
+        raise ValueError(f"{text!r} is not an absolute path")
+    return text
+
+
+def default_token_file(state_dir: str) -> str:
+    # The state directory, not $RUNTIME_DIRECTORY: the CLI (outside the unit) finds it from the
+    # same config, and the token survives daemon restarts, so a copy held by a proxy or a peer
+    # stays valid (docs/security.md).
+    return os.path.join(state_dir or default_state_dir(), "admin.token")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address; a name other than localhost counts as remote."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _logs(r: _Reader, raw: object) -> LogsConfig:
@@ -713,6 +750,13 @@ def _cross_checks(r: _Reader, cfg: Config) -> None:
         r.error("liveness.timeout", "is more than ten liveness intervals; shorten it")
     if (cfg.admin.host, cfg.admin.port) == (cfg.sglang.host, cfg.sglang.port):
         r.error("admin.listen", "uses the same address as SGLang's sglang.host:sglang.port")
+    if not is_loopback(cfg.admin.host) and not cfg.admin.allow_remote:
+        r.error(
+            "admin.listen",
+            f"{cfg.admin.listen} is not a loopback address: anyone who can reach it may try "
+            "the token of the restart and drain endpoints; put a TLS proxy in front and set "
+            "admin.allow_remote: true to serve it beyond this host (docs/security.md)",
+        )
     if isinstance(cfg.gpus.devices, tuple):
         for name in (PRIMARY, *cfg.profiles):
             own = cfg.sglang.args if name == PRIMARY else cfg.profiles[name].args
@@ -801,6 +845,7 @@ def parse(text: str, file: str) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(file, r.issues)
     stop_s = r.section(top.get("stop"), "stop", ("drain_timeout",))
+    state_dir = r.get(top, "", "state_dir", _opt_string, None) or default_state_dir()
     cfg = Config(
         path=file,
         sglang=_sglang(r, top.get("sglang")),
@@ -810,8 +855,8 @@ def parse(text: str, file: str) -> Config:
         restart=_restart(r, top.get("restart")),
         stop=StopConfig(r.get(stop_s, "stop", "drain_timeout", _positive_duration, 60.0)),
         gpus=_gpus(r, top.get("gpus")),
-        admin=_admin(r, top.get("admin")),
-        state_dir=r.get(top, "", "state_dir", _opt_string, None) or default_state_dir(),
+        admin=_admin(r, top.get("admin"), state_dir),
+        state_dir=state_dir,
         logs=_logs(r, top.get("logs")),
         logging=_logging(r, top.get("logging")),
     )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, host, log, probing, reload, startup
+from supervisor import admin, admin_token, host, log, probing, reload, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -58,6 +58,7 @@ from supervisor.machine import (
 from supervisor.notify import watchdog_interval
 from supervisor.nvml import Nvml
 from supervisor.observed import Observed
+from supervisor.preflight import EX_CONFIG
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.
 EXTEND_BY_S = 30.0
@@ -126,6 +127,8 @@ class Daemon:
                 return code
             try:
                 shutdown_admin = await admin.start(self, self.cfg.admin.host, self.cfg.admin.port)
+            except admin_token.TokenFileError as exc:
+                return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
                 return self._fatal(
                     f"cannot serve the admin endpoint on {self.cfg.admin.listen}: "

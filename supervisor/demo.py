@@ -126,7 +126,8 @@ def run_demo(
             f"""
 kimi-serve demo: the real supervisor, with a stand-in playing SGLang (no GPU needed).
   config:   {path}
-  status:   kimi-serve status --url {admin}     (or: curl {admin}/status)
+  status:   kimi-serve status --config {path}   (or, without the token: curl {admin}/status)
+  restart:  kimi-serve restart --config {path}  (the token is {cfg.admin.token_file})
   ready?    curl -i {admin}/readyz
   metrics:  curl {admin}/metrics
   SGLang:   http://127.0.0.1:{cfg.sglang.port} (the stand-in; try /generate)

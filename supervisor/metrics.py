@@ -19,6 +19,10 @@ from supervisor.machine import ProbeKind, Reason, State
 from supervisor.probe import FAILURE_REASONS
 
 # Decode probes: tens of ms on an idle H200 with EAGLE, up to the 30 s timeout under load.
+# The admin endpoints that need the token, so their denied series exist from the first scrape
+# (admin.py's route table is the authority; a test keeps the two in step).
+ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status")
+
 PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
@@ -137,6 +141,12 @@ class Metrics:
             "Unix time the current state was entered.",
             registry=r,
         )
+        self.admin_denied = Counter(
+            "kimi_serve_admin_denied",
+            "Admin requests refused for a missing or wrong bearer token, by endpoint.",
+            ["endpoint"],
+            registry=r,
+        )
         self._gpu_source = gpu_snapshot
         r.register(_GpuCollector(lambda: self._gpu_source()))
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
@@ -149,6 +159,8 @@ class Metrics:
                 self.probe_duration.labels(kind.value, outcome)
             for failure in FAILURE_REASONS:
                 self.probe_failures.labels(kind.value, failure)
+        for endpoint in ADMIN_PROTECTED_ENDPOINTS:
+            self.admin_denied.labels(endpoint)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
 

@@ -90,6 +90,9 @@ def render(doc: dict[str, Any], now: float) -> str:
         if last.get("detail"):
             out.append(f"  {last['detail']}")
         tail = last.get("log_tail") or []
+        if "log_tail" in (doc.get("redacted") or []) and not tail:
+            out.append("  (SGLang's last lines are shown with the admin token: run as root or")
+            out.append("   the service user, who can read admin.token_file)")
         if tail:
             out.append(f"  Last {min(len(tail), TAIL_SHOWN)} lines SGLang printed:")
             out.extend(f"    {line}" for line in tail[-TAIL_SHOWN:])
@@ -104,9 +107,21 @@ def render(doc: dict[str, Any], now: float) -> str:
     return "\n".join(out)
 
 
-def run_status_command(base: str, as_json: bool, out: TextIO, err: TextIO) -> int:
+def run_status_command(
+    base: str, as_json: bool, out: TextIO, err: TextIO, token: str | None = None
+) -> int:
+    """GET /status; with `token` the whole document, without it the daemon leaves out what
+    SGLang printed (the log tail, messages quoting it)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False)
+        r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False, headers=headers)
+        if r.status_code == 401:
+            print(
+                f"kimi-serve status: the daemon at {base} refused the admin token "
+                "(was the token file replaced? the daemon reads it again on the next request)",
+                file=err,
+            )
+            return EX_UNREACHABLE
         r.raise_for_status()
         doc = r.json()
         if not isinstance(doc, dict):

@@ -191,14 +191,28 @@ class DaemonProcess:
                 self.seen.append(ev)
         return [e["new"] for e in self.seen if e.get("event") == "state"]
 
+    @property
+    def token_file(self) -> Path:
+        """The admin token the daemon creates at start (default <state_dir>/admin.token)."""
+        return Path(self.cfg.get("admin", {}).get("token_file") or Path(self.owner) / "admin.token")
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+
     def status(self) -> dict[str, Any]:
-        r = httpx.get(self.admin + "/status", timeout=5)
+        """The whole /status document (with the admin token)."""
+        r = httpx.get(self.admin + "/status", timeout=5, headers=self.auth())
         r.raise_for_status()
         doc: dict[str, Any] = r.json()
         return doc
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.admin + path, timeout=5)
+
+    def post(self, path: str, token: bool = True) -> httpx.Response:
+        """POST to the admin endpoint, with the admin token unless `token` is False."""
+        headers = self.auth() if token else {}
+        return httpx.post(self.admin + path, timeout=5, headers=headers, trust_env=False)
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)

@@ -76,6 +76,13 @@ def _notes(category: str, rows: list[dict[str, Any]]) -> str:
                 f"(median), ready again {n['ready_quiet_s']} / {n['ready_loaded_s']} s, "
                 f"{n['requests']} admin requests, {n['errors']} errors"
             )
+        if "hoard evicted" in n:
+            notes.append(
+                f"detection {n['detect_ms']} ms; {n['hoard evicted']} hoarded connections "
+                f"closed for newcomers, {n['slowloris cut']} slowloris cut, {n['big body']} "
+                f"oversized bodies, {n['garbage']} malformed, {n['denied']} wrong tokens denied; "
+                f"slowest fresh /livez {n['livez_max_ms']} ms"
+            )
     bugs = sorted({r["known_bug"] for r in rows if r["known_bug"]})
     if bugs:
         notes.append("; ".join(bugs))

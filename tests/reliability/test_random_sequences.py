@@ -34,7 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -281,7 +280,7 @@ class Sequences(RuleBasedStateMachine):
     @step
     def manual_restart(self, moment: str) -> None:
         self._at(moment)
-        r = httpx.post(self.run.d.admin + "/restart", timeout=5, trust_env=False)
+        r = self.run.d.post("/restart")
         assert r.status_code in (202, 409), r.text
 
     @rule(moment=MOMENTS)

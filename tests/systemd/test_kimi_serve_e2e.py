@@ -504,3 +504,64 @@ def test_control_a_daemon_failure_other_than_config_is_restarted(box: Box) -> No
     journal = box.journal(UNIT_NAME)
     assert "Main process exited, code=exited, status=1/FAILURE" in journal, journal
     assert "Scheduled restart job" in journal
+
+
+# ------------------------------------------------------------------------ admin token
+
+
+_POST = """
+import json, sys, urllib.error, urllib.request
+url, token = sys.argv[1], sys.argv[2]
+request = urllib.request.Request(url, method="POST", data=b"")
+if token:
+    request.add_header("Authorization", f"Bearer {token}")
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    with opener.open(request, timeout=5) as response:
+        print(json.dumps({"status": response.status, "body": response.read().decode()}))
+except urllib.error.HTTPError as error:
+    print(json.dumps({"status": error.code, "body": error.read().decode()}))
+"""
+
+
+def test_the_admin_token_file_is_the_service_users_alone(box: Box) -> None:
+    kimi = kimi_serve(box)
+    kimi.start()
+    main = kimi.main_pid()
+    token_file = "/var/lib/kimi-serve/admin.token"
+    # Created by the daemon at start, in the unit's StateDirectory=, 0600, owned by the
+    # daemon's own (real and effective) user.
+    shown = box.run("stat", "-c", "%a %u %g %F", token_file, check=True).stdout.split(None, 3)
+    uid_line = box.run("grep", "^Uid:", f"/proc/{main}/status", check=True).stdout.split()
+    assert shown[0] == "600" and shown[3].strip() == "regular file", shown
+    assert shown[1] == uid_line[1] == uid_line[2], (shown, uid_line)
+    directory = box.run("stat", "-c", "%a", "/var/lib/kimi-serve", check=True).stdout.strip()
+    assert directory == "750"  # StateDirectoryMode=
+    token = box.run("cat", token_file, check=True).stdout.strip()
+    assert len(token) == 43
+
+    def post(path: str, with_token: str) -> dict[str, Any]:
+        done = box.run(box.python, "-c", _POST, f"{kimi.admin}{path}", with_token, check=True)
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
+
+    assert post("/restart", "")["status"] == 401
+    assert post("/restart", "x" * 43)["status"] == 401
+    assert kimi.status()["restarts"] == {}
+    # The operator's command, as root in the box, finds the file from the same config.
+    done = box.run(
+        box.python.parent / "kimi-serve", "restart", "--config", kimi.config_path, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    box.wait_for(
+        lambda: (s := kimi.status())["restarts"] == {"manual": 1} and s["state"] == "ready",
+        timeout=20,
+        what="the manual restart, ready again",
+    )
+    # Logged where it is, never what it is; the denials are in the journal. (The unit's
+    # entries and the daemon's own: its first lines can precede its move into the cgroup.)
+    journal = "\n".join(e.message for e in kimi.entries())
+    assert token not in journal
+    assert token_file in journal and "admin request denied" in journal
+    # The unit is the same daemon: an admin restart restarts SGLang, not the unit.
+    assert kimi.show("MainPID", "NRestarts") == {"MainPID": str(main), "NRestarts": "0"}

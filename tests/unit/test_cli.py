@@ -31,6 +31,9 @@ PURPOSE = {
     "gpu-clean": "leftover GPU processes",
     "status": "running daemon for its state",
     "demo": "SGLang stand-in",
+    "restart": "restart SGLang",
+    "drain": "deregister from the router",
+    "undrain": "register with the router again",
 }
 
 PRODUCTION_FLAGS = [

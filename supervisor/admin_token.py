@@ -1,0 +1,202 @@
+"""The admin endpoint's bearer token: one file, readable by the service user (and root) only.
+
+The daemon creates it on its first start (`ensure`), the CLI reads it (`read_for_client`).
+The token itself never appears in a log line, an error message or an exception.
+
+An existing file that others could read (or that another user owns) is refused, not repaired:
+whoever could read it may already hold the token, so a chmod would hide a leak. The operator
+removes the file and the daemon writes a fresh one (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 43 characters
+MIN_LENGTH = 32  # an operator-written token must be as long as ours, about
+MAX_FILE_BYTES = 4096
+_ALLOWED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
+
+
+class TokenFileError(OSError):
+    """The token file cannot be used; the message names the file and what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EACCES, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class Token:
+    """A loaded token and the identity of the file it came from (to notice a rotation)."""
+
+    value: str
+    # (st_dev, st_ino, st_mtime_ns, st_ctime_ns): a new file, new content, or a chmod/chown
+    identity: tuple[int, int, int, int]
+
+    def matches(self, presented: str) -> bool:
+        # Constant time in the presented value: a timing oracle must not reveal a prefix.
+        return hmac.compare_digest(self.value.encode(), presented.encode())
+
+
+def ensure(path: str) -> Token:
+    """The daemon's start: create the file if absent (0600, atomic), then load and check it."""
+    if not os.path.lexists(path):
+        _create(path)
+    return load(path)
+
+
+def _create(path: str) -> None:
+    target = Path(path)
+    check_directory(target.parent)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except OSError as exc:
+        raise TokenFileError(f"cannot create the admin token file {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        # link() never replaces: if another process created the file meanwhile, its token wins
+        # and ours is discarded, so two starters never hand out different tokens.
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, target)
+    except OSError as exc:
+        raise TokenFileError(f"cannot create the admin token file {path}: {exc.strerror}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a directory for the token that someone other than us (or root) could write."""
+    try:
+        st = directory.stat()
+    except OSError as exc:
+        raise TokenFileError(
+            f"cannot create the admin token file in {directory}: {exc.strerror}"
+        ) from None
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise TokenFileError(
+            f"{directory} (where the admin token file goes) is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}): someone else could "
+            "replace the token; use a directory only the service user can write "
+            "(admin.token_file or state_dir)"
+        )
+
+
+def load(path: str) -> Token:
+    """Read and check the file as the daemon: a regular file, ours, mode 0600 or stricter."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TokenFileError(
+                f"admin token file {path} is a symbolic link; refusing it (point "
+                "admin.token_file at the file itself)"
+            ) from None
+        raise TokenFileError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        problem = _permission_problem(st)
+        if problem:
+            raise TokenFileError(
+                f"admin token file {path} {problem}; the token may have leaked: remove the file "
+                "(the daemon writes a new one at start) or fix it (chown to the service user, "
+                "chmod 600) if you are sure nobody read it"
+            )
+        data = f.read(MAX_FILE_BYTES + 1)
+    return Token(_parse(path, data), _identity(st))
+
+
+def _permission_problem(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by the service user (uid {os.geteuid()})"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return f"is mode {mode:04o}: group or others may read or write it (0600 is required)"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links; another name may be readable by others"
+    return None
+
+
+def _parse(path: str, data: bytes) -> str:
+    if len(data) > MAX_FILE_BYTES:
+        raise TokenFileError(f"admin token file {path} is larger than {MAX_FILE_BYTES} bytes")
+    text = data.decode("ascii", "replace").strip()
+    if not text:
+        raise TokenFileError(
+            f"admin token file {path} is empty; remove it and the daemon writes a new one"
+        )
+    if len(text) < MIN_LENGTH or not set(text) <= _ALLOWED:
+        raise TokenFileError(
+            f"admin token file {path} does not hold a usable token (one line of at least "
+            f"{MIN_LENGTH} URL-safe characters); remove it and the daemon writes a new one"
+        )
+    return text
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def changed(token: Token, path: str) -> bool:
+    """Whether the file on disk is no longer the one `token` was read from (a rotation)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return True
+    return _identity(st) != token.identity
+
+
+def read_for_client(path: str) -> str:
+    """The CLI's read: the token, or TokenFileError naming the file and who may read it."""
+    try:
+        data = Path(path).read_bytes()[: MAX_FILE_BYTES + 1]
+    except PermissionError:
+        raise TokenFileError(
+            f"cannot read the admin token file {path}: permission denied; only root and the "
+            f"service user ({_owner(path)}) may read it: run with sudo or as that user"
+        ) from None
+    except FileNotFoundError:
+        raise TokenFileError(
+            f"admin token file {path} does not exist; the daemon creates it at start "
+            "(is it running with the same config? admin.token_file)"
+        ) from None
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+    return _parse(path, data)
+
+
+def _owner(path: str) -> str:
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return "the owner of the file"
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
