@@ -137,6 +137,19 @@ class Metrics:
             "Unix time the current state was entered.",
             registry=r,
         )
+        self.gpu_healthy = Gauge(
+            "kimi_serve_gpu_healthy",
+            "1 when the managed GPU is fit (no loss, no recovery action, no pending or failed "
+            "row remap, no volatile uncorrectable ECC error), 0 when it needs an action.",
+            ["gpu", "UUID"],
+            registry=r,
+        )
+        self.gpu_xid_events = Counter(
+            "kimi_serve_gpu_xid_events",
+            "Critical Xid events NVML delivered for the managed GPU, by Xid.",
+            ["gpu", "UUID", "xid"],
+            registry=r,
+        )
         r.register(_GpuCollector(gpu_snapshot))
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
         for reason in Reason:
@@ -150,6 +163,18 @@ class Metrics:
                 self.probe_failures.labels(kind.value, failure)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
+
+    def set_gpu_healthy(self, index: int, uuid: str, healthy: bool) -> None:
+        self.gpu_healthy.labels(str(index), uuid).set(1 if healthy else 0)
+
+    def count_xid(self, index: int, uuid: str, xid: int) -> None:
+        self.gpu_xid_events.labels(str(index), uuid, str(xid)).inc()
+
+    def count_leftovers(self, killed: Iterable[tuple[str, str, int]]) -> None:
+        """kimi_serve_gpu_leftover_processes_killed_total: (gpu, UUID, count) rows, as
+        `gpu.leftover_rows()` gives them; gpu "none" for a leftover that held no GPU memory."""
+        for index, uuid, count in killed:
+            self.gpu_killed.labels(index, uuid).inc(count)
 
     def set_state(self, state: State, since_unix: float) -> None:
         for s in State:
