@@ -206,12 +206,15 @@ class SimulatedNvml:
                 f"{ENV_GPUS} is set but {ENV_TAG} is not: set it to a value unique to this "
                 "daemon (its launches inherit it), so the simulation sees only their processes"
             )
+        health = env.get(ENV_HEALTH, "")
+        if not health.startswith("@"):
+            parse_health(health, gpus)  # a misspelt condition fails now, not at the first read
         return cls(
             gpus=gpus,
             mib_per_process=_count(env, ENV_MIB, "4096", 0),
             wedged_mib=_wedged(env.get(ENV_WEDGED, ""), gpus),
             tag=tag,
-            health_spec=env.get(ENV_HEALTH, ""),
+            health_spec=health,
             xid_file=env.get(ENV_XID_FILE) or None,
         )
 
