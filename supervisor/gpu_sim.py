@@ -225,6 +225,7 @@ class SimulatedNvml:
                 f"GPU {lost[0]}: the GPU is lost (fell off the bus, see dmesg for Xid 79); "
                 "it needs a GPU reset or a reboot before anything can run on it"
             )
+        health = self.health()
         held: dict[int, list[GpuProcess]] = {i: [] for i in range(self.gpus)}
         for proc in psutil.process_iter(["cmdline", "status"]):
             info = proc.info
@@ -249,6 +250,7 @@ class SimulatedNvml:
                 + self.wedged_mib.get(i, 0) * MiB,
                 memory_total_bytes=TOTAL_MIB * MiB,
                 processes=tuple(sorted(procs, key=lambda p: p.pid)),
+                health=health[i],
             )
             for i, procs in held.items()
         ]

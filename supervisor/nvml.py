@@ -41,6 +41,9 @@ class GpuSnapshot:
     memory_used_bytes: int
     memory_total_bytes: int
     processes: tuple[GpuProcess, ...]
+    # The fitness fields, read with the snapshot (a few NVML calls, well under a millisecond);
+    # None where they could not be read.
+    health: fitness.HealthRead | None = None
 
 
 class NvmlUnavailable(Exception):
@@ -151,6 +154,11 @@ class PynvmlNvml:
                     for p in lib.nvmlDeviceGetComputeRunningProcesses(handle)
                 )
                 uuid = self._uuids[index] = _text(lib.nvmlDeviceGetUUID(handle))
+                health: fitness.HealthRead | None
+                try:
+                    health = read_health(lib, index, uuid)
+                except lib.NVMLError:
+                    health = None  # the processes still count; fitness says it could not read
                 out.append(
                     GpuSnapshot(
                         index=index,
@@ -159,6 +167,7 @@ class PynvmlNvml:
                         memory_used_bytes=used,
                         memory_total_bytes=total,
                         processes=procs,
+                        health=health,
                     )
                 )
         except lib.NVMLError as exc:
@@ -241,6 +250,7 @@ def gpu_status(snapshots: Iterable[GpuSnapshot]) -> list[dict[str, Any]]:
             "memory_used_bytes": s.memory_used_bytes,
             "memory_total_bytes": s.memory_total_bytes,
             "processes": [p.pid for p in s.processes],
+            **({} if s.health is None else {"health": fitness.assess(s.health).health()}),
         }
         for s in snapshots
     ]
@@ -378,7 +388,11 @@ def read_health(lib: Any, index: int, uuid: str) -> fitness.HealthRead:
     ns = fitness.NOT_SUPPORTED
 
     def unsupported(exc: Exception) -> bool:
-        return _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
+        # AttributeError: an nvidia-ml-py too old to have the call at all.
+        return isinstance(exc, AttributeError) or _code(exc) in (
+            _NOT_SUPPORTED,
+            _FUNCTION_NOT_FOUND,
+        )
 
     try:
         handle = lib.nvmlDeviceGetHandleByIndex(index)
@@ -394,7 +408,7 @@ def read_health(lib: Any, index: int, uuid: str) -> fitness.HealthRead:
                 return fitness.HealthRead(index, uuid, lost=True)
             elif int(v.nvmlReturn) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
                 raise lib.NVMLError(int(v.nvmlReturn))
-        except lib.NVMLError as exc:
+        except (lib.NVMLError, AttributeError) as exc:
             if not unsupported(exc):
                 raise
         rows: tuple[fitness.Reading, fitness.Reading, fitness.Flag, fitness.Flag]
@@ -402,7 +416,7 @@ def read_health(lib: Any, index: int, uuid: str) -> fitness.HealthRead:
         try:
             corr, unc, pending, failure = lib.nvmlDeviceGetRemappedRows(handle)
             rows = (int(corr), int(unc), bool(pending), bool(failure))
-        except lib.NVMLError as exc:
+        except (lib.NVMLError, AttributeError) as exc:
             if not unsupported(exc):
                 raise
         ecc: fitness.Reading = ns
@@ -414,7 +428,7 @@ def read_health(lib: Any, index: int, uuid: str) -> fitness.HealthRead:
                         handle, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
                     )
                 )
-        except lib.NVMLError as exc:
+        except (lib.NVMLError, AttributeError) as exc:
             if not unsupported(exc):
                 raise
     except lib.NVMLError as exc:
