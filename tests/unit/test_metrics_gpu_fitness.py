@@ -60,3 +60,13 @@ def test_xid_and_leftover_counters() -> None:
     name = "kimi_serve_gpu_leftover_processes_killed_total"
     assert value(m, name, gpu="0", UUID="GPU-0") == 3
     assert value(m, name, gpu="none", UUID="none") == 1
+
+
+def test_kimi_serve_status_names_an_unfit_gpu_and_its_action() -> None:
+    from supervisor.status import render
+
+    snaps = [snap(0, fit(0)), snap(1, fit(1, remapped_failure=True))]
+    text = render({"state": "failed", "gpus": gpu_status(snaps)}, now=0.0)
+    lines = [line for line in text.splitlines() if "GPU " in line]
+    assert "NEEDS" not in lines[0]
+    assert lines[1].endswith("NEEDS A REPLACE: row remapping failed (no spare rows left)")
