@@ -173,6 +173,9 @@ class Metrics:
             self.restarts.labels(reason.value)
         for stream in Stream:
             self.log_lines.labels(stream.value)
+        # Leftovers that held no GPU memory (a detokenizer) are counted here; the daemon
+        # creates each managed GPU's series itself.
+        self.gpu_killed.labels("none", "none")
         for kind in ProbeKind:
             for outcome in ("ok", "failed"):
                 self.probe_duration.labels(kind.value, outcome)
