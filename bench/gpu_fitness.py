@@ -54,7 +54,7 @@ from supervisor.identity import (  # noqa: E402
     signal_identity,
 )
 from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, NvmlUnavailable, open_nvml  # noqa: E402
+from supervisor.nvml import MiB, NvmlUnavailable, gpu_status, open_nvml  # noqa: E402
 from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 
@@ -283,6 +283,8 @@ async def main_async(args: argparse.Namespace) -> int:
     report = fitness.assess_all(reads)
     out["health"] = [f.health() for f in report.gpus]
     out["verdict_line"] = report.line()
+    # /status.gpus[] as the daemon serves it: the snapshot carries the health read.
+    out["status_gpus"] = gpu_status(await in_thread(source.snapshot, 10.0))
     if not args.simulated:
         out["raw_calls"] = raw_calls(args.gpu)
         out["not_supported_path"] = not_supported_path(args.gpu)
