@@ -98,8 +98,8 @@ class Monitor:
         the machine told (`GpuFault`, restart only where a GPU is lost or the driver asks)."""
         if not self._managed(event):
             return
-        self.last_xids[event.uuid] = event
         if event.kind == "xid":
+            self.last_xids[event.uuid] = event
             self.count_xid(event.index, event.uuid, event.xid)
         try:
             report = await self.assess()
@@ -109,6 +109,9 @@ class Monitor:
             self.post(GpuFault(line, restart=True))
             return
         bad = report.unfit
+        if event.kind == "ecc_single_bit" and not bad:
+            # A corrected error: the memory did its job. Only its consequences are news.
+            return
         what = f"GPU {event.index} ({event.uuid}): {event.describe()}"
         line = report.line() if bad else f"{what}; the driver asks for no action"
         if bad and event.uuid not in {f.uuid for f in bad}:

@@ -176,3 +176,17 @@ async def test_watcher_cancel_returns_within_a_slice_and_never_blocks_the_loop(
         await task
     assert time.monotonic() - t < 1.0
     assert events._closed
+
+
+async def test_a_corrected_ecc_event_is_news_only_when_the_gpu_is_unfit(tmp_path: Path) -> None:
+    from supervisor.fitness import XidEvent
+
+    s, health, _ = sim(tmp_path, gpus=2)
+    posted: list[Any] = []
+    mon = Monitor(s, "all", posted.append)
+    await mon.on_event(XidEvent(0, simulated_uuid(0), "ecc_single_bit", 0, 1.0))
+    assert posted == [] and mon.last_xids == {}
+    health.write_text("0:ecc=1")
+    await mon.on_event(XidEvent(0, simulated_uuid(0), "ecc_double_bit", 0, 2.0))
+    assert len(posted) == 1 and posted[0].restart is False
+    assert "1 uncorrectable ECC error(s)" in posted[0].line
