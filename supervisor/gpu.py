@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TextIO
@@ -118,6 +118,9 @@ class Classified:
     cmdline: str = ""
     user: str | None = None
     ppid: int | None = None
+    # How it was found to be ours: "launch record", "owner marker" or "nvml" (a gpus.match hit
+    # among NVML's processes); "" for what is not ours.
+    found_by: str = ""
 
     @property
     def to_remove(self) -> bool:
@@ -137,6 +140,7 @@ class Classified:
             "cmdline": self.cmdline,
             "user": self.user,
             "ppid": self.ppid,
+            "found_by": self.found_by,
         }
 
 
@@ -250,6 +254,14 @@ def classify(
             daemon_uid=daemon_uid,
             owner=owner,
         )
+        found_by = ""
+        if ours and kind is not Kind.CURRENT:
+            if is_recorded:
+                found_by = "launch record"
+            elif owner is not None and f.owner == owner:
+                found_by = "owner marker"
+            else:
+                found_by = "nvml"
         out.append(
             Classified(
                 kind,
@@ -262,6 +274,7 @@ def classify(
                 cmdline=" ".join(f.cmdline),
                 user=f.username,
                 ppid=f.ppid,
+                found_by=found_by,
             )
         )
     return out
@@ -285,6 +298,31 @@ class CleanReport:
     before: list[dict[str, Any]] = field(default_factory=list)  # gpu_status() at the start
     after: list[dict[str, Any]] = field(default_factory=list)  # gpu_status() at the end
     dry_run: bool = False
+    killed_without_gpu: int = 0  # leftovers removed that held no GPU memory (a detokenizer)
+
+    def killed_rows(self) -> list[tuple[str, str, int]]:
+        """(gpu, UUID, count) for kimi_serve_gpu_leftover_processes_killed_total; gpu "none"
+        for leftovers that held no GPU memory, so every leftover is counted."""
+        uuids = {g["index"]: str(g["uuid"]) for g in self.before}
+        rows = [(str(i), uuids.get(i, "unknown"), n) for i, n in sorted(self.killed.items())]
+        if self.killed_without_gpu:
+            rows.append(("none", "none", self.killed_without_gpu))
+        return rows
+
+    def leftovers(self) -> list[dict[str, Any]]:
+        """What each leftover was, what it held (per NVML, before the kill) and what was done."""
+        return [
+            {
+                "pid": c.pid,
+                "found_by": c.found_by,
+                "gpus": list(c.gpus),
+                "used_bytes": c.used_bytes,
+                "cmdline": _short(c.cmdline, 120),
+                "action": self.actions.get(c.pid or 0, ""),
+            }
+            for c in self.found
+            if c.to_remove
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -299,6 +337,8 @@ class CleanReport:
             "before": self.before,
             "after": self.after,
             "dry_run": self.dry_run,
+            "killed_without_gpu": self.killed_without_gpu,
+            "leftovers": self.leftovers(),
         }
 
 
@@ -478,6 +518,8 @@ async def clean(
             report.actions[c.identity.pid] += ": exited" if gone else ": still running"
             for g in c.gpus if gone else ():
                 report.killed[g] = report.killed.get(g, 0) + 1
+            if gone and not c.gpus:
+                report.killed_without_gpu += 1
 
     report.ok = not busy
     waited = clock() - started
@@ -536,6 +578,145 @@ def _ok_message(
         pids = ", ".join(str(c.pid) for c in report.foreign)
         parts.append(f"{len(report.foreign)} foreign process(es) left alone (pid {pids})")
     return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The launch-record sweep, counted
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweptProcess:
+    pid: int
+    create_time: float
+    found_by: str  # "launch record" or "owner marker"
+    cmdline: str
+    held: tuple[tuple[int, str, int | None], ...]  # (GPU index, UUID, bytes) per NVML, pre-kill
+    killed: bool  # gone after the sweep (False: it survives SIGKILL, D state)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "found_by": self.found_by,
+            "cmdline": self.cmdline,
+            "gpus": [g for g, _u, _b in self.held],
+            "held": [{"gpu": g, "uuid": u, "used_bytes": b} for g, u, b in self.held],
+            "used_bytes": None
+            if any(b is None for _g, _u, b in self.held)
+            else sum(b or 0 for _g, _u, b in self.held),
+            "action": "SIGKILL: exited" if self.killed else "SIGKILL: still running",
+        }
+
+    def describe(self) -> str:
+        held = ", ".join(f"GPU {g}: {_size(b)}" for g, _u, b in self.held) or "no GPU memory"
+        what = f", {_short(self.cmdline)}" if self.cmdline else ""
+        return f"pid {self.pid} ({self.found_by}{what}, {held})"
+
+
+@dataclass
+class SweepReport:
+    """What the sweep of an earlier launch's processes (launch record, owner marker) killed,
+    with the GPU memory each held as NVML listed it before the kill."""
+
+    processes: list[SweptProcess] = field(default_factory=list)
+    stuck: list[ProcessIdentity] = field(default_factory=list)
+    nvml_error: str | None = None  # NVML could not say what they held
+
+    def killed_rows(self) -> list[tuple[str, str, int]]:
+        """(gpu, UUID, count) rows; gpu "none" for a killed process that held no GPU memory."""
+        counts: dict[tuple[str, str], int] = {}
+        for p in self.processes:
+            if not p.killed:
+                continue
+            for key in [(str(g), u) for g, u, _b in p.held] or [("none", "none")]:
+                counts[key] = counts.get(key, 0) + 1
+        return [(g, u, n) for (g, u), n in sorted(counts.items())]
+
+    def message(self) -> str:
+        killed = [p for p in self.processes if p.killed]
+        if not killed:
+            return "no process of an earlier launch was left"
+        return f"killed {len(killed)} process(es) of an earlier launch: " + "; ".join(
+            p.describe() for p in killed
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "processes": [p.to_dict() for p in self.processes],
+            "killed": {f"{g}": n for g, _u, n in self.killed_rows()},
+            "stuck": [i.pid for i in self.stuck],
+            "nvml_error": self.nvml_error,
+            "message": self.message(),
+        }
+
+
+async def sweep_leftovers(
+    sweep: Callable[[set[ProcessIdentity]], Awaitable[list[ProcessIdentity]]],
+    nvml: Nvml | None,
+    recorded: set[ProcessIdentity],
+    marked: set[ProcessIdentity],
+    *,
+    facts: Callable[[Iterable[int]], Mapping[int, ProcFacts]] = gather_facts,
+) -> SweepReport:
+    """Kill an earlier launch's processes through `sweep` (ProcessOwner.sweep) and say what each
+    held. NVML is read before the kill: afterwards the memory is free and the pid unlisted
+    (within 0.25 s on an H200, docs/gpu.md). Every GPU NVML lists counts, managed or not:
+    what a recorded process of ours held anywhere is ours."""
+    report = SweepReport()
+    targets = recorded | marked
+    if not targets:
+        return report
+    held: dict[int, list[tuple[int, str, int | None]]] = {}
+    if nvml is not None:
+        try:
+            snaps = await _snapshot(nvml, "all")
+        except NvmlUnavailable as exc:
+            report.nvml_error = str(exc)
+        else:
+            for snap in snaps:
+                for p in snap.processes:
+                    held.setdefault(p.pid, []).append((snap.index, snap.uuid, p.used_bytes))
+    seen = facts(i.pid for i in targets)
+    alive = []
+    for ident in sorted(targets):
+        f = seen.get(ident.pid)
+        if f is None or not same_start(ident.create_time, f.create_time):
+            continue  # gone already, or the pid names another process now: nothing to kill
+        if f.status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            continue
+        alive.append((ident, f))
+    stuck = set(await sweep(targets))
+    report.stuck = sorted(stuck)
+    for ident, f in alive:
+        report.processes.append(
+            SweptProcess(
+                pid=ident.pid,
+                create_time=ident.create_time,
+                found_by="launch record" if ident in recorded else "owner marker",
+                cmdline=" ".join(f.cmdline),
+                held=tuple(held.get(ident.pid, ())),
+                killed=ident not in stuck,
+            )
+        )
+    return report
+
+
+def leftover_status(sweep: SweepReport | None, clean: CleanReport | None) -> dict[str, Any]:
+    """/status.leftovers: every leftover removed before the last launch, however it was found,
+    with its GPU and what it held; `killed` per GPU as the counter counts them."""
+    procs: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    for rows, items in (
+        (
+            sweep.killed_rows() if sweep else [],
+            [p.to_dict() for p in sweep.processes] if sweep else [],
+        ),
+        (clean.killed_rows() if clean else [], clean.leftovers() if clean else []),
+    ):
+        procs += items
+        for g, _u, n in rows:
+            counts[g] = counts.get(g, 0) + n
+    return {"killed": counts, "processes": procs}
 
 
 # --------------------------------------------------------------------------------------------

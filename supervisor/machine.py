@@ -78,6 +78,8 @@ class Reason(StrEnum):
     FATAL_LOG = "fatal_log"
     MANUAL = "manual"
     RELOAD = "reload"
+    # A GPU was lost or the driver asked for a recovery action while SGLang ran.
+    GPU_FAULT = "gpu_fault"
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
@@ -91,7 +93,8 @@ STARTUP_STATES = frozenset(
 # Every edge the daemon may take. STOPPING is reachable from everywhere (SIGTERM at any time).
 EDGES: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.CLEANING}),
-    # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned.
+    # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned, or a
+    # GPU is unfit (it needs a reset, a reboot or a replacement: fitness.py).
     State.CLEANING: frozenset({State.LAUNCHING, State.FAILED}),
     # LAUNCHING -> RESTARTING: the exec itself failed, or a fatal line / manual restart.
     State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
@@ -141,6 +144,23 @@ class HostReady:
 class HostNotReady:
     message: str
     wedged: bool = False  # retrying cannot help (a process stuck in the driver)
+
+
+@dataclass(frozen=True)
+class GpuUnfit:
+    """Before a launch: a managed GPU needs a reset, a reboot or a replacement (fitness.py).
+    `line` names the GPU, its UUID and the action."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    """While a launch runs: a critical NVML event, with fitness read again. `restart`: the
+    GPU is lost or the driver asks for an action; otherwise it is only reported."""
+
+    line: str
+    restart: bool
 
 
 @dataclass(frozen=True)
@@ -235,6 +255,8 @@ Event = (
     Start
     | HostReady
     | HostNotReady
+    | GpuUnfit
+    | GpuFault
     | Launched
     | LaunchFailed
     | PortOpen
@@ -450,6 +472,13 @@ class Machine:
                 return self._launch(now)
             case HostNotReady() if ctx.state is State.CLEANING:
                 return self._host_not_ready(event, now)
+            case GpuUnfit() if ctx.state is State.CLEANING:
+                # Never launch onto a GPU that needs a reset, a reboot or a replacement: every
+                # relaunch would be another long load that fails. Only an operator can fix it.
+                ctx.host_message = event.line
+                return self._to(State.FAILED, "gpu_unfit", now, event.line)
+            case GpuFault():
+                return self._gpu_fault(event, now)
             case TimerFired(name=TimerName.CLEAN_RETRY) if ctx.state is State.CLEANING:
                 return [CleanHost()]
             case Launched() if self._current(event.launch) and ctx.state is State.LAUNCHING:
@@ -520,6 +549,18 @@ class Machine:
             Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", event.message),
             SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch),
         ]
+
+    def _gpu_fault(self, event: GpuFault, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.STOPPING, State.STOPPED):
+            return []
+        if event.restart and ctx.state in CHILD_STATES:
+            # SIGKILL, no drain: a lost GPU cannot finish requests. The next cleaning reads
+            # fitness again and goes `failed` if the GPU still needs the action.
+            return self._restart(Reason.GPU_FAULT, now, event.line)
+        # Reported at once (old == new marks an update of the same state); the server keeps
+        # serving when the driver asks for nothing.
+        return [Transitioned(ctx.state, ctx.state, "gpu_fault", event.line)]
 
     def _launch(self, now: float) -> list[Action]:
         ctx = self.ctx

@@ -6,7 +6,7 @@ Names follow the contract and Prometheus conventions: base units, `_total` count
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,8 +29,13 @@ PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 6
 class _GpuCollector(Collector):
     """Per-GPU memory and process counts, read at scrape time from the last snapshot."""
 
-    def __init__(self, snapshot: Callable[[], Sequence[dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Sequence[dict[str, Any]]],
+        verdicts: Callable[[], Mapping[tuple[str, str], bool]] = dict,
+    ) -> None:
         self._snapshot = snapshot
+        self._verdicts = verdicts
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         mem = GaugeMetricFamily(
@@ -43,13 +48,27 @@ class _GpuCollector(Collector):
             "Compute processes on the GPU at the last check.",
             labels=["gpu", "UUID"],
         )
+        healthy = GaugeMetricFamily(
+            "kimi_serve_gpu_healthy",
+            "1 when the managed GPU is fit (not lost, no recovery action asked for, no pending "
+            "or failed row remap, no volatile uncorrectable ECC error), 0 when it needs one.",
+            labels=["gpu", "UUID"],
+        )
+        fit: dict[tuple[str, str], bool] = {}
         for g in self._snapshot():
             labels = [str(g["index"]), str(g["uuid"])]
             mem.add_metric(labels, float(g["memory_used_bytes"]))
             count = g["processes"]
             procs.add_metric(labels, float(len(count) if isinstance(count, list) else count))
+            health = g.get("health")
+            if isinstance(health, dict) and isinstance(health.get("ok"), bool):
+                fit[(labels[0], labels[1])] = health["ok"]
+        fit.update(self._verdicts())
+        for (index, uuid), ok in sorted(fit.items()):
+            healthy.add_metric([index, uuid], 1.0 if ok else 0.0)
         yield mem
         yield procs
+        yield healthy
 
 
 class Metrics:
@@ -148,12 +167,26 @@ class Metrics:
             registry=r,
         )
         self._gpu_source = gpu_snapshot
-        r.register(_GpuCollector(lambda: self._gpu_source()))
+        # kimi_serve_gpu_healthy: the fitness verdict of each managed GPU, read at scrape time
+        # from the GPU snapshot (nvml.gpu_status()'s `health`); a verdict set here (the check
+        # before a launch, a critical event) wins, so a GPU that is lost, and can no longer
+        # be listed, still reads 0.
+        self._gpu_fit: dict[tuple[str, str], bool] = {}
+        self.gpu_xid_events = Counter(
+            "kimi_serve_gpu_xid_events",
+            "Critical Xid events NVML delivered for the managed GPU, by Xid.",
+            ["gpu", "UUID", "xid"],
+            registry=r,
+        )
+        r.register(_GpuCollector(lambda: self._gpu_source(), lambda: self._gpu_fit))
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
         for reason in Reason:
             self.restarts.labels(reason.value)
         for stream in Stream:
             self.log_lines.labels(stream.value)
+        # Leftovers that held no GPU memory (a detokenizer) are counted here; the daemon
+        # creates each managed GPU's series itself.
+        self.gpu_killed.labels("none", "none")
         for kind in ProbeKind:
             for outcome in ("ok", "failed"):
                 self.probe_duration.labels(kind.value, outcome)
@@ -176,6 +209,18 @@ class Metrics:
                 if sample.name.endswith("_total") and sample.value:
                     out[sample.labels["reason"]] = int(sample.value)
         return out
+
+    def set_gpu_healthy(self, index: int, uuid: str, healthy: bool) -> None:
+        self._gpu_fit[(str(index), uuid)] = healthy
+
+    def count_xid(self, index: int, uuid: str, xid: int) -> None:
+        self.gpu_xid_events.labels(str(index), uuid, str(xid)).inc()
+
+    def count_leftovers(self, killed: Iterable[tuple[str, str, int]]) -> None:
+        """kimi_serve_gpu_leftover_processes_killed_total: (gpu, UUID, count) rows, as
+        `gpu.leftover_rows()` gives them; gpu "none" for a leftover that held no GPU memory."""
+        for index, uuid, count in killed:
+            self.gpu_killed.labels(index, uuid).inc(count)
 
     def set_state(self, state: State, since_unix: float) -> None:
         for s in State:

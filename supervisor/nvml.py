@@ -15,9 +15,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from supervisor import fitness
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -37,6 +41,9 @@ class GpuSnapshot:
     memory_used_bytes: int
     memory_total_bytes: int
     processes: tuple[GpuProcess, ...]
+    # The fitness fields, read with the snapshot (a few NVML calls, well under a millisecond);
+    # None where they could not be read.
+    health: fitness.HealthRead | None = None
 
 
 class NvmlUnavailable(Exception):
@@ -106,6 +113,8 @@ class PynvmlNvml:
         self._lib = lib if lib is not None else importlib.import_module("pynvml")
         lib = self._lib
         self._memory_v2 = hasattr(lib, "nvmlMemory_v2")
+        # index -> UUID as last read: a lost GPU can no longer say its UUID, its verdict must.
+        self._uuids: dict[int, str] = {}
         try:
             lib.nvmlInit()
         except lib.NVMLError as exc:
@@ -144,19 +153,47 @@ class PynvmlNvml:
                     )
                     for p in lib.nvmlDeviceGetComputeRunningProcesses(handle)
                 )
+                uuid = self._uuids[index] = _text(lib.nvmlDeviceGetUUID(handle))
+                health: fitness.HealthRead | None
+                try:
+                    health = read_health(lib, index, uuid)
+                except lib.NVMLError:
+                    health = None  # the processes still count; fitness says it could not read
                 out.append(
                     GpuSnapshot(
                         index=index,
-                        uuid=_text(lib.nvmlDeviceGetUUID(handle)),
+                        uuid=uuid,
                         name=_text(lib.nvmlDeviceGetName(handle)),
                         memory_used_bytes=used,
                         memory_total_bytes=total,
                         processes=procs,
+                        health=health,
                     )
                 )
         except lib.NVMLError as exc:
             raise NvmlUnavailable(_advice(exc, index)) from None
         return out
+
+    def health(self) -> list[fitness.HealthRead]:
+        """The fitness fields of every GPU (a lost one reads as lost, not as an error)."""
+        lib = self._lib
+        out = []
+        index: int | None = None
+        try:
+            for index in range(lib.nvmlDeviceGetCount()):
+                read = read_health(lib, index, self._uuids.get(index, "unknown"))
+                if read.uuid != "unknown":
+                    self._uuids[index] = read.uuid
+                out.append(read)
+        except lib.NVMLError as exc:
+            raise NvmlUnavailable(_advice(exc, index)) from None
+        return out
+
+    def open_events(self) -> PynvmlEvents:
+        try:
+            return PynvmlEvents(self._lib, self._uuids)
+        except self._lib.NVMLError as exc:
+            raise NvmlUnavailable(_advice(exc, None)) from None
 
     def close(self) -> None:
         if self._open:
@@ -206,6 +243,199 @@ def gpu_status(snapshots: Iterable[GpuSnapshot]) -> list[dict[str, Any]]:
             "memory_used_bytes": s.memory_used_bytes,
             "memory_total_bytes": s.memory_total_bytes,
             "processes": [p.pid for p in s.processes],
+            **({} if s.health is None else {"health": fitness.assess(s.health).health()}),
         }
         for s in snapshots
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Fitness: the health fields and the critical-event set (docs/gpu.md, "GPU fitness")
+# --------------------------------------------------------------------------------------------
+
+_NOT_SUPPORTED = 3
+_TIMEOUT = 10
+_FI_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+# NVML_VALUE_TYPE_* -> the c_nvmlValue_t member holding it
+_VALUE_MEMBER = {
+    0: "dVal",
+    1: "uiVal",
+    2: "ulVal",
+    3: "ullVal",
+    4: "sllVal",
+    5: "siVal",
+    6: "usVal",
+}
+# Critical events: Xid, double/single-bit ECC, the driver's recovery action (measured on H200:
+# the mask 32779 registers on driver 580).
+EVENT_XID = 0x8
+EVENT_ECC_DOUBLE = 0x2
+EVENT_ECC_SINGLE = 0x1
+EVENT_RECOVERY = 0x8000
+EVENT_MASK = EVENT_XID | EVENT_ECC_DOUBLE | EVENT_ECC_SINGLE | EVENT_RECOVERY
+_EVENT_KIND = {
+    EVENT_XID: "xid",
+    EVENT_ECC_DOUBLE: "ecc_double_bit",
+    EVENT_ECC_SINGLE: "ecc_single_bit",
+    EVENT_RECOVERY: "recovery_action",
+}
+
+
+def event_kind(event_type: int) -> str:
+    return _EVENT_KIND.get(event_type, "other")
+
+
+class HealthSource(Protocol):
+    """The fitness half of NVML: both `PynvmlNvml` and the simulation implement it."""
+
+    def health(self) -> list[fitness.HealthRead]: ...
+
+    def open_events(self) -> EventSource: ...
+
+
+class EventSource(Protocol):
+    def wait(self, timeout_ms: int) -> list[fitness.XidEvent]:
+        """Block up to timeout_ms for critical events; [] when none came. Thread-safe with close."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _code(exc: Exception) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+class PynvmlEvents:
+    """An NVML event set over every GPU, registered for the critical events each supports.
+
+    `wait()` blocks in the driver, so it runs in the thread adapter, in short slices; `close()`
+    takes the same lock, so the set is never freed under a waiting thread.
+    """
+
+    def __init__(self, lib: Any, uuids: Mapping[int, str]) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._set = lib.nvmlEventSetCreate()
+        self.registered: dict[int, int] = {}  # index -> mask registered
+        self.unsupported: dict[int, str] = {}  # index -> why nothing could be registered
+        self._uuids = dict(uuids)
+        for index in range(lib.nvmlDeviceGetCount()):
+            try:
+                handle = lib.nvmlDeviceGetHandleByIndex(index)
+                self._uuids[index] = _text(lib.nvmlDeviceGetUUID(handle))
+                mask = EVENT_MASK & int(lib.nvmlDeviceGetSupportedEventTypes(handle))
+                if mask:
+                    lib.nvmlDeviceRegisterEvents(handle, mask, self._set)
+                    self.registered[index] = mask
+                else:
+                    self.unsupported[index] = "none of the critical event types is supported"
+            except lib.NVMLError as exc:
+                self.unsupported[index] = str(exc)
+        self._closed = False
+
+    def wait(self, timeout_ms: int) -> list[fitness.XidEvent]:
+        lib = self._lib
+        with self._lock:
+            if self._closed:
+                return []
+            try:
+                data = lib.nvmlEventSetWait_v2(self._set, timeout_ms)
+            except lib.NVMLError as exc:
+                if _code(exc) == _TIMEOUT:
+                    return []
+                raise NvmlUnavailable(_advice(exc, None)) from None
+            try:
+                uuid = _text(lib.nvmlDeviceGetUUID(data.device))
+            except lib.NVMLError:
+                uuid = "unknown"
+            index = next((i for i, u in self._uuids.items() if u == uuid), -1)
+            return [
+                fitness.XidEvent(
+                    index=index,
+                    uuid=uuid,
+                    kind=event_kind(int(data.eventType)),
+                    xid=int(data.eventData),
+                    at=time.time(),
+                )
+            ]
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(self._lib.NVMLError):
+                    self._lib.nvmlEventSetFree(self._set)
+
+
+def _field_value(v: Any) -> int:
+    member = _VALUE_MEMBER.get(int(v.valueType), "ullVal")
+    return int(getattr(v.value, member))
+
+
+def read_health(lib: Any, index: int, uuid: str) -> fitness.HealthRead:
+    """Every fitness field of one GPU; NOT_SUPPORTED where the GPU or driver says so.
+
+    Raises lib.NVMLError for anything else but "lost", which is an answer, not an error.
+    """
+    ns = fitness.NOT_SUPPORTED
+
+    def unsupported(exc: Exception) -> bool:
+        # AttributeError: an nvidia-ml-py too old to have the call at all.
+        return isinstance(exc, AttributeError) or _code(exc) in (
+            _NOT_SUPPORTED,
+            _FUNCTION_NOT_FOUND,
+        )
+
+    try:
+        handle = lib.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(lib.nvmlDeviceGetUUID(handle))
+        recovery: fitness.Reading = ns
+        try:
+            # An array of c_nvmlFieldValue_t (ctypes): index it; each carries its own return.
+            values = lib.nvmlDeviceGetFieldValues(handle, [_FI_RECOVERY_ACTION])
+            v = values[0]
+            if int(v.nvmlReturn) == 0:
+                recovery = _field_value(v)
+            elif int(v.nvmlReturn) == _GPU_IS_LOST:
+                return fitness.HealthRead(index, uuid, lost=True)
+            elif int(v.nvmlReturn) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                raise lib.NVMLError(int(v.nvmlReturn))
+        except (lib.NVMLError, AttributeError) as exc:
+            if not unsupported(exc):
+                raise
+        rows: tuple[fitness.Reading, fitness.Reading, fitness.Flag, fitness.Flag]
+        rows = (ns, ns, ns, ns)
+        try:
+            corr, unc, pending, failure = lib.nvmlDeviceGetRemappedRows(handle)
+            rows = (int(corr), int(unc), bool(pending), bool(failure))
+        except (lib.NVMLError, AttributeError) as exc:
+            if not unsupported(exc):
+                raise
+        ecc: fitness.Reading = ns
+        try:
+            current, _pending = lib.nvmlDeviceGetEccMode(handle)
+            if current:  # with ECC off the counters mean nothing
+                ecc = int(
+                    lib.nvmlDeviceGetTotalEccErrors(
+                        handle, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
+                    )
+                )
+        except (lib.NVMLError, AttributeError) as exc:
+            if not unsupported(exc):
+                raise
+    except lib.NVMLError as exc:
+        if _code(exc) == _GPU_IS_LOST:
+            return fitness.HealthRead(index, uuid, lost=True)
+        raise
+    return fitness.HealthRead(
+        index=index,
+        uuid=uuid,
+        lost=False,
+        recovery_action=recovery,
+        remapped_correctable=rows[0],
+        remapped_uncorrectable=rows[1],
+        remapped_pending=rows[2],
+        remapped_failure=rows[3],
+        ecc_uncorrected_volatile=ecc,
+    )

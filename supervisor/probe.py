@@ -11,10 +11,12 @@ liveness here therefore ask for `max_tokens` tokens and check what came back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +54,10 @@ class ProbeResult:
     # ready this is "try again", not "broken".
     not_up: bool = False
     meta: Mapping[str, Any] = field(default_factory=dict)
+    rid: str | None = None  # the request id the probe sent (SGLang's `rid`)
+    # A timed-out probe is aborted inside SGLang (POST /abort_request): True when SGLang took
+    # the abort, False when it could not be sent, None when nothing needed aborting.
+    aborted: bool | None = None
 
     def to_status(self) -> dict[str, Any]:
         d = asdict(self)
@@ -70,20 +76,51 @@ class Verdict:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
-def request_for(cfg: ProbeConfig) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of the probe request. Temperature 0: the answer is reproducible."""
+def request_for(cfg: ProbeConfig, rid: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of the probe request. Temperature 0: the answer is reproducible.
+
+    `rid`: SGLang's request id (GenerateReqInput.rid and the chat request's `rid`, 0.5.23:
+    docs/sglang.md), so a probe that times out can be aborted by that id.
+    """
+    extra: dict[str, Any] = {} if rid is None else {"rid": rid}
     if cfg.endpoint == "chat":
         return "/v1/chat/completions", {
             "messages": [{"role": "user", "content": cfg.prompt}],
             "max_tokens": cfg.max_tokens,
             "temperature": 0,
             "stream": False,
+            **extra,
         }
     return "/generate", {
         "text": cfg.prompt,
         "sampling_params": {"max_new_tokens": cfg.max_tokens, "temperature": 0},
         "stream": False,
+        **extra,
     }
+
+
+def new_rid(kind: str = "probe") -> str:
+    """A request id no client of SGLang would send: recognisable in SGLang's own logs."""
+    return f"kimi-serve-{kind}-{uuid.uuid4().hex[:16]}"
+
+
+ABORT_TIMEOUT_S = 2.0
+
+
+async def abort_request(
+    client: httpx.AsyncClient, base_url: str, rid: str, timeout: float = ABORT_TIMEOUT_S
+) -> bool:
+    """POST /abort_request {"rid": rid}: SGLang stops the request wherever it is (waiting or
+    running). A probe that gave up waiting would otherwise keep decoding inside SGLang, and
+    timed-out probes would pile up (sglang #35884). True when SGLang answered 200."""
+    try:
+        async with asyncio.timeout(timeout):
+            r = await client.post(
+                base_url.rstrip("/") + "/abort_request", json={"rid": rid}, timeout=timeout
+            )
+    except (TimeoutError, httpx.HTTPError, OSError):
+        return False
+    return r.status_code == 200
 
 
 def _int(value: object) -> int | None:
@@ -208,9 +245,33 @@ async def probe(
     speculative: bool,
     timeout: float | None = None,
     clock: Any = time.monotonic,
+    rid: str | None = None,
 ) -> ProbeResult:
-    """One decode probe. Never raises (except cancellation); never outlives `timeout`."""
-    path, body = request_for(cfg)
+    """One decode probe. Never raises (except cancellation); never outlives `timeout` by more
+    than the abort of a timed-out probe (ABORT_TIMEOUT_S).
+
+    With `rid`, the request carries it and a probe that timed out is aborted inside SGLang.
+    """
+    result = await _probe(client, base_url, cfg, speculative, timeout, clock, rid)
+    if rid is None:
+        return result
+    if result.reason == "timeout":
+        return dataclasses.replace(
+            result, rid=rid, aborted=await abort_request(client, base_url, rid)
+        )
+    return dataclasses.replace(result, rid=rid)
+
+
+async def _probe(
+    client: httpx.AsyncClient,
+    base_url: str,
+    cfg: ProbeConfig,
+    speculative: bool,
+    timeout: float | None,
+    clock: Any,
+    rid: str | None,
+) -> ProbeResult:
+    path, body = request_for(cfg, rid)
     limit = cfg.timeout if timeout is None else timeout
     start = clock()
     try:
@@ -261,6 +322,41 @@ async def probe(
         text=v.text,
         meta=v.meta,
     )
+
+
+class ProbeGate:
+    """At most one probe in flight against one SGLang: a probe asked for while another runs
+    waits for it (each is bounded by its timeout plus the abort), so probes never stack up
+    inside SGLang even when the machine's timers race a slow answer."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.max_in_flight = 0  # the most seen at once (tests; must stay 1)
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def probe(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        cfg: ProbeConfig,
+        speculative: bool,
+        timeout: float | None = None,
+        kind: str = "probe",
+    ) -> ProbeResult:
+        """One probe with a fresh `rid`, aborted inside SGLang if it times out."""
+        async with self._lock:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            try:
+                return await probe(
+                    client, base_url, cfg, speculative, timeout=timeout, rid=new_rid(kind)
+                )
+            finally:
+                self._in_flight -= 1
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,14 @@ def render(doc: dict[str, Any], now: float) -> str:
         procs = g.get("processes")
         n = len(procs) if isinstance(procs, list) else procs
         mib = (g.get("memory_used_bytes") or 0) / 2**20
-        out.append(f"     GPU {g.get('index')}: {g.get('uuid')} {mib:.0f} MiB used, {n} processes")
+        health = g.get("health") or {}
+        unfit = ""
+        if health.get("ok") is False:
+            why = "; ".join(health.get("reasons") or [])
+            unfit = f", NEEDS A {str(health.get('action', '?')).upper()}: {why}"
+        out.append(
+            f"     GPU {g.get('index')}: {g.get('uuid')} {mib:.0f} MiB used, {n} processes{unfit}"
+        )
     last = doc.get("last_restart")
     if last:
         how = []

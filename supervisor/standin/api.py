@@ -114,6 +114,7 @@ class Api:
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
         r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/abort_request", self.abort_request)
         return app
 
     @web.middleware
@@ -216,6 +217,13 @@ class Api:
 
     # -- decoding -------------------------------------------------------------------------
 
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """http_server.abort_request: {"rid": ..., "abort_all": ...} -> 200, empty body."""
+        body = await self._body(request)
+        rid = body.get("rid")
+        self.engine.abort(rid if isinstance(rid, str) else "", bool(body.get("abort_all")))
+        return web.Response(status=200)
+
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         text, input_ids = body.get("text"), body.get("input_ids")
@@ -233,7 +241,7 @@ class Api:
         max_new = _int_field(
             sampling.get("max_new_tokens"), "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
         )
-        with self.engine.request() as rid:
+        with self.engine.request(body.get("rid")) as rid:
             try:
                 result = await self.engine.decode(rid, prompt, prompt_tokens, max_new)
             except DecodeError as exc:
@@ -263,7 +271,7 @@ class Api:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = _int_field(max_tokens, "max_tokens", DEFAULT_MAX_NEW_TOKENS)
         prompt = users[-1] if users else ""
-        with self.engine.request() as rid:
+        with self.engine.request(body.get("rid")) as rid:
             try:
                 result = await self.engine.decode(rid, prompt, prompt_tokens, max_new)
             except DecodeError as exc:

@@ -164,6 +164,7 @@ class Engine:
         # SIGTERM drain waits for), and the scheduler's running batch (num_running_reqs).
         self.open_requests: set[str] = set()
         self.running: set[str] = set()
+        self._tasks: dict[str, asyncio.Task[object]] = {}  # rid -> the handler serving it
         self.decodes_started = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -207,14 +208,28 @@ class Engine:
     # -- decoding -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def request(self) -> Iterator[str]:
-        """Register one HTTP request from arrival until its response has been sent."""
-        rid = uuid.uuid4().hex
+    def request(self, rid: object = None) -> Iterator[str]:
+        """Register one HTTP request from arrival until its response has been sent.
+
+        A client's own `rid` is kept (GenerateReqInput.rid), so /abort_request can name it.
+        """
+        rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
         self.open_requests.add(rid)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[rid] = task
         try:
             yield rid
         finally:
             self.open_requests.discard(rid)
+            self._tasks.pop(rid, None)
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        """tokenizer_manager.abort_request: the request stops wherever it is (waiting, running
+        or hung) and leaves the running batch; an unknown rid is ignored, as SGLang does."""
+        for key, task in list(self._tasks.items()):
+            if abort_all or key == rid:
+                task.cancel()
 
     async def decode(
         self,

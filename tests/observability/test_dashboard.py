@@ -38,6 +38,9 @@ CONTRACT_METRICS: dict[str, str] = {
     "kimi_serve_profile_info": "gauge",
     "kimi_serve_build_info": "gauge",
     "kimi_serve_log_lines_total": "counter",
+    # The contract's GPU fitness section.
+    "kimi_serve_gpu_healthy": "gauge",
+    "kimi_serve_gpu_xid_events_total": "counter",
 }
 
 

@@ -79,7 +79,10 @@ def test_dashboard_and_rules_only_query_live_series(
     live = series_from_exposition(live_scrape)
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     sglang = {n for _, e in dashboard_exprs(dashboard) for n in _names(e) if ":" in n}
-    known = live | PROMETHEUS_SERIES | recorded | sglang
+    # A counter labelled by Xid has no series before its first event: no Xid can be exported
+    # at 0 ahead of time (the alert's expression handles a series that is born at 1).
+    born_with_first_event = {"kimi_serve_gpu_xid_events_total"}
+    known = live | PROMETHEUS_SERIES | recorded | sglang | born_with_first_event
     problems = unknown_names(dashboard_exprs(dashboard) + rules_exprs(rules), known)
     assert not problems, "queried but not exported:\n" + "\n".join(problems)
 

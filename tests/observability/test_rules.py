@@ -159,6 +159,7 @@ def test_runbook_covers_every_restart_reason() -> None:
         "fatal_log",
         "manual",
         "reload",
+        "gpu_fault",
     ]
     assert [r for r in reasons if f"`{r}`" not in text] == []
 
