@@ -89,6 +89,10 @@ def render(doc: dict[str, Any], now: float) -> str:
         )
         if last.get("detail"):
             out.append(f"  {last['detail']}")
+        if last.get("incident"):
+            name = str(last["incident"]).rstrip("/").rsplit("/", 1)[-1]
+            out.append(f"  Incident: {last['incident']}")
+            out.append(f"    kimi-serve incidents show {name}")
         tail = last.get("log_tail") or []
         if tail:
             out.append(f"  Last {min(len(tail), TAIL_SHOWN)} lines SGLang printed:")
