@@ -219,8 +219,8 @@ def overall_reason(stacks: Sequence[ProcessStack]) -> str | None:
 def _title(pid: int) -> str:
     try:
         proc = psutil.Process(pid)
-        cmd = [c for c in proc.cmdline() if c]
-        return " ".join(cmd)[:200] or proc.name()
+        # One line: a `python -c` script or setproctitle's padding must not break stacks.txt.
+        return " ".join(" ".join(proc.cmdline()).split())[:200] or proc.name()
     except (psutil.Error, OSError):
         return "?"
 
@@ -429,7 +429,7 @@ def parse(text: str) -> list[ProcessDump]:
     return dumps
 
 
-def innermost(dump: ProcessDump, frames: int = 4, threads: int = 3) -> list[str]:
+def innermost(dump: ProcessDump, frames: int = 8, threads: int = 3) -> list[str]:
     """The lines `incidents show` prints for one process: the threads most likely to be where it
     hangs first (active ones, then the main thread), each with its innermost frames."""
 
@@ -440,9 +440,21 @@ def innermost(dump: ProcessDump, frames: int = 4, threads: int = 3) -> list[str]
     ordered = sorted(dump.threads, key=rank)
     for t in ordered[:threads]:
         out.append(t.header)
-        out.extend(f"  {f}" for f in t.frames[:frames])
-        if len(t.frames) > frames:
-            out.append(f"  ... {len(t.frames) - frames} outer frames")
+        shown = list(t.frames[:frames])
+        out.extend(f"  {f}" for f in shown)
+        # Native frames (libc, libcuda, NCCL) come first in a --native dump; the innermost
+        # Python frame says which of SGLang's functions is waiting there, so it is always shown.
+        py = next((i for i, f in enumerate(t.frames) if ".py:" in f), None)
+        if py is not None and py >= frames:
+            if py > frames:
+                out.append(f"  ... {py - frames} native frames")
+            out.append(f"  {t.frames[py]}")
+            shown.append(t.frames[py])
+            rest = len(t.frames) - py - 1
+        else:
+            rest = len(t.frames) - len(shown)
+        if rest > 0:
+            out.append(f"  ... {rest} outer frames")
     if len(ordered) > threads:
         out.append(f"... {len(ordered) - threads} more threads in stacks.txt")
     return out

@@ -38,6 +38,8 @@ CONTRACT_METRICS: dict[str, str] = {
     "kimi_serve_profile_info": "gauge",
     "kimi_serve_build_info": "gauge",
     "kimi_serve_log_lines_total": "counter",
+    # Incidents section of the contract.
+    "kimi_serve_load_phase_seconds": "gauge",
 }
 
 
