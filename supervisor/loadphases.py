@@ -6,14 +6,14 @@ those milestones; this module turns them into durations. Pure: lines and times i
 
 The markers, as SGLang 0.5.23 prints them (file:line in docs/sglang.md, "Load markers"):
 
-| phase        | from                                   | to                                     |
-|--------------|----------------------------------------|----------------------------------------|
-| `init`       | the launch (process start)             | first `Load weight begin`              |
-| `weights`    | first `Load weight begin`              | last `Load weight end`                 |
-| `kv_cache`   | last `Load weight end`                 | last `Memory pool end` (older releases: `KV Cache is allocated`) |
-| `cuda_graph` | first `Capture ... graph begin`        | last `Capture ... graph end`           |
-| `warmup`     | the HTTP port open (or `Uvicorn running on`) | `The server is fired up and ready to roll!` |
-| `probe`      | that line                              | kimi-serve's first successful decode probe |
+- `init`: from the launch (process start) to the first `Load weight begin`;
+- `weights`: first `Load weight begin` to the last `Load weight end`;
+- `kv_cache`: last `Load weight end` to the last `Memory pool end` (older releases print
+  `KV Cache is allocated`);
+- `cuda_graph`: first `Capture ... graph begin` to the last `Capture ... graph end`;
+- `warmup`: the HTTP port open (or `Uvicorn running on`) to `The server is fired up and ready
+  to roll!` (SGLang's own warm-up request runs in between);
+- `probe`: that line to kimi-serve's first successful decode probe.
 
 Every tensor-parallel rank prints its own markers, so a phase runs from the first rank's start to
 the last rank's end. A phase whose markers a release does not print (no CUDA graphs with

@@ -160,9 +160,11 @@ async def test_a_hanging_py_spy_is_killed_when_the_budget_is_spent(
     assert spent < budget + 1.0, spent
     started_pids = [int(p) for line in pids.read_text().split("\n") if line for p in line.split()]
     assert len(started_pids) == 4
-    wait_for("every fake py-spy and its child to be gone", lambda: not any(
-        pid_alive(p) for p in started_pids
-    ), timeout=2.0)
+    wait_for(
+        "every fake py-spy and its child to be gone",
+        lambda: not any(pid_alive(p) for p in started_pids),
+        timeout=2.0,
+    )
     assert pid_alive(proc.pid)  # the capture never touches the target itself
 
 

@@ -185,8 +185,6 @@ def test_every_alert_is_unit_tested_firing_and_silent(
 
 def test_every_recording_rule_is_unit_tested(rules: dict[str, Any]) -> None:
     cases = [case for f in RULES_TEST_FILES for case in yaml.safe_load(f.read_text())["tests"]]
-    tested = " ".join(
-        check["expr"] for case in cases for check in case.get("promql_expr_test", [])
-    )
+    tested = " ".join(check["expr"] for case in cases for check in case.get("promql_expr_test", []))
     records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
     assert [r for r in records if r not in tested] == []
