@@ -259,8 +259,8 @@ class IncidentStore:
             left = free - sum(len(v) for v in files.values()) - _JSON_MAX
             if left < floor:
                 skipped[fname] = (
-                    f"not written ({size} bytes): {free} bytes free in {self.dir}, under "
-                    f"incidents.min_free_bytes ({floor})"
+                    f"not written ({size} bytes): {free} bytes free in {self.dir}; writing it "
+                    f"would leave less than incidents.min_free_bytes ({floor})"
                 )
                 del files[fname]
             elif size > self.cfg.max_bytes // 2:
@@ -400,7 +400,8 @@ def run_list(store: IncidentStore, as_json: bool, out: TextIO, err: TextIO) -> i
     if not rows:
         print(f"no incidents in {store.dir}", file=out)
         return 0
-    print(f"{len(rows)} incidents in {store.dir}, newest first:", file=out)
+    noun = "incident" if len(rows) == 1 else "incidents"
+    print(f"{len(rows)} {noun} in {store.dir}, newest first:", file=out)
     for r in rows:
         if "error" in r:
             print(f"  {r['id']}  {r['error']}", file=out)
