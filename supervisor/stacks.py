@@ -32,7 +32,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -272,10 +271,12 @@ async def _exited(popen: subprocess.Popen[bytes]) -> None:
 
 async def _run(argv: list[str], deadline: float) -> tuple[int | None, str]:
     """Run py-spy until it ends or `deadline` (loop time); None for the code when killed."""
-    # Output goes to an unnamed file, not a pipe: a pipe held open by something the killed
-    # program started would keep a reader waiting for ever.
-    with tempfile.TemporaryFile() as out:
-        popen = _spawn(argv, out.fileno())
+    # Output goes to an anonymous memory file, not a pipe: a pipe held open by something the
+    # killed program started would keep a reader waiting for ever; and not to a file under
+    # /tmp, which a sandbox may make read-only.
+    out = os.memfd_create("py-spy-dump", os.MFD_CLOEXEC)
+    try:
+        popen = _spawn(argv, out)
         code: int | None
         try:
             async with asyncio.timeout_at(deadline):
@@ -287,12 +288,14 @@ async def _run(argv: list[str], deadline: float) -> tuple[int | None, str]:
             if popen.returncode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(popen.pid, signal.SIGKILL)
-                # Reaped in a thread-free way: SIGKILL ends it within milliseconds.
+                # SIGKILL ends it within milliseconds.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(2.0):
                         await _exited(popen)
-        out.seek(0)
-        data = out.read(MAX_OUTPUT_BYTES + 1)
+        os.lseek(out, 0, os.SEEK_SET)
+        data = os.read(out, MAX_OUTPUT_BYTES + 1)
+    finally:
+        os.close(out)
     text = data[:MAX_OUTPUT_BYTES].decode("utf-8", "replace")
     if len(data) > MAX_OUTPUT_BYTES:
         text += f"\n[... cut at {MAX_OUTPUT_BYTES} bytes]\n"
@@ -310,7 +313,10 @@ async def _dump_one(pid: int, deadline: float, py_spy: str, native: bool) -> Pro
     text = ""
     for use_native in (True, False) if native else (False,):
         argv = [py_spy, "dump", "--pid", str(pid)] + (["--native"] if use_native else [])
-        code, text = await _run(argv, deadline)
+        try:
+            code, text = await _run(argv, deadline)
+        except OSError as exc:  # cannot start it at all (fd limit, exec refused): no stack
+            return ProcessStack(pid, name, f"Error: cannot run {py_spy}: {exc}", FAILED)
         spent = time.monotonic() - started
         if code is None:
             return ProcessStack(pid, name, text, TIMED_OUT, use_native, spent)
