@@ -50,6 +50,9 @@ FAILED = "failed"
 # well under 1 MiB. Anything beyond this is cut, with a note.
 MAX_OUTPUT_BYTES = 4 * 2**20
 
+# The share of the budget a native dump may use before the Python-only one is tried instead.
+NATIVE_SHARE = 0.6
+
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_RAISE, _PR_CAP_AMBIENT_LOWER, _PR_CAP_AMBIENT_CLEAR_ALL = 2, 3, 4
 CAP_SYS_PTRACE = 19
@@ -310,14 +313,20 @@ async def _dump_one(pid: int, deadline: float, py_spy: str, native: bool) -> Pro
     # Native frames show where a scheduler sits inside CUDA or NCCL (the cuModuleLoadData hang
     # of sglang #33642); py-spy cannot unwind every build, so a failed native dump is retried
     # without, inside the same budget.
+    # Native unwinding reads the symbols of every loaded library (libtorch_cuda, NCCL: large),
+    # so it gets part of the budget only; the Python-only dump keeps the rest.
     text = ""
+    loop = asyncio.get_running_loop()
     for use_native in (True, False) if native else (False,):
         argv = [py_spy, "dump", "--pid", str(pid)] + (["--native"] if use_native else [])
+        until = loop.time() + NATIVE_SHARE * (deadline - loop.time()) if use_native else deadline
         try:
-            code, text = await _run(argv, deadline)
+            code, text = await _run(argv, until)
         except OSError as exc:  # cannot start it at all (fd limit, exec refused): no stack
             return ProcessStack(pid, name, f"Error: cannot run {py_spy}: {exc}", FAILED)
         spent = time.monotonic() - started
+        if code is None and use_native and loop.time() < deadline:
+            continue
         if code is None:
             return ProcessStack(pid, name, text, TIMED_OUT, use_native, spent)
         verdict = classify(code, text, _alive(pid))

@@ -261,3 +261,22 @@ async def test_the_standin_decode_hang_shows_its_hung_frame(launch) -> None:  # 
     assert len(cap.stacks) == len(pids) >= 2  # the main process and its scheduler children
     for pid in pids:
         kill_quietly(pid)
+
+
+async def test_a_native_dump_that_hangs_leaves_time_for_a_python_one(
+    hung_child: Spawn, fake_py_spy: Callable[[str], str]
+) -> None:
+    real = find_py_spy()
+    fake = fake_py_spy(
+        f"""
+        for a in "$@"; do [ "$a" = --native ] && exec sleep 1000; done
+        exec {real} "$@"
+        """
+    )
+    proc = hung_child()
+    started = time.monotonic()
+    cap = await capture([proc.pid], timeout=2.0, py_spy=fake)
+    (one,) = cap.stacks
+    assert one.ok and not one.native, one
+    assert "wedged_in_all_reduce" in one.text
+    assert time.monotonic() - started < 2.0 + 1.0
