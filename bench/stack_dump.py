@@ -11,6 +11,7 @@ that hangs (the budget, 2 s here, is what it costs at worst).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -21,8 +22,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.stacks import capture  # noqa: E402
-from tests.standin.harness import Standin, free_port  # noqa: E402
+from supervisor.stacks import capture
+from tests.standin.harness import Standin, free_port
 
 ROUNDS = 5
 
@@ -49,10 +50,8 @@ def main() -> None:
         s = Standin(["--model-path", "/m", "--port", str(port), "--tp-size", str(tp)], env, port)
         try:
             s.wait_ready()
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 httpx.post(s.url("/generate"), json={"text": "x"}, timeout=0.3)
-            except httpx.HTTPError:
-                pass
             s.wait_line("Prefill batch")
             pids = [s.proc.pid, *(c.pid for c in psutil.Process(s.proc.pid).children(True))]
             for native in (True, False):

@@ -151,7 +151,7 @@ async def test_a_hanging_py_spy_is_killed_when_the_budget_is_spent(
     proc = hung_child()
     budget = 1.0
     started = time.monotonic()
-    cap = await capture([proc.pid, proc.pid], timeout=budget, py_spy=fake)
+    cap = await capture([proc.pid, proc.pid], timeout=budget, py_spy=fake, native=False)
     spent = time.monotonic() - started
     assert [s.error for s in cap.stacks] == [TIMED_OUT, TIMED_OUT]
     assert cap.reason is not None and cap.reason.startswith(TIMED_OUT)
