@@ -188,3 +188,12 @@ def test_every_recording_rule_is_unit_tested(rules: dict[str, Any]) -> None:
     tested = " ".join(check["expr"] for case in cases for check in case.get("promql_expr_test", []))
     records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
     assert [r for r in records if r not in tested] == []
+
+
+def test_restart_alerts_start_with_the_incident() -> None:
+    # On-call's first step after any restart is the incident the daemon wrote for it.
+    text = RUNBOOK_FILE.read_text()
+    for alert in ("KimiServeRestarted", "KimiServeCrashLooping", "KimiServeFailed"):
+        section = text.split(f"## {alert}\n", 1)[1]
+        look = section.split("**Look:**\n", 1)[1].lstrip()
+        assert look.startswith("- `kimi-serve incidents show last`"), alert
