@@ -64,6 +64,12 @@ def render(doc: dict[str, Any], now: float) -> str:
         )
         if probe.get("error"):
             out.append(f"            {probe['error']}")
+    load = doc.get("last_load")
+    if isinstance(load, dict) and load.get("phases"):
+        total = load.get("total_s")
+        head = f"{total:.0f} s" if isinstance(total, int | float) else "incomplete"
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in load["phases"].items())
+        out.append(f" Last load: {head} ({parts})")
     intent = doc.get("intent") or {}
     for m in intent.get("mismatches") or []:
         out.append(

@@ -134,7 +134,13 @@ def test_status_names_the_last_incident() -> None:
             "incident": "/var/lib/kimi-serve/incidents/20261201T031209Z-liveness_failed-launch4",
         },
     }
+    doc["last_load"] = {
+        "complete": True,
+        "total_s": 612.4,
+        "phases": {"init": 12.0, "weights": 289.0, "cuda_graph": 108.0},
+    }
     text = status.render(doc, now=100.0)
+    assert " Last load: 612 s (init 12 s, weights 289 s, cuda_graph 108 s)" in text
     assert (
         "Incident: /var/lib/kimi-serve/incidents/20261201T031209Z-liveness_failed-launch4" in text
     )
