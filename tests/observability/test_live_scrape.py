@@ -80,9 +80,7 @@ def test_dashboard_and_rules_only_query_live_series(
 
     # A gauge family the daemon declares (HELP/TYPE) is exported even while it has no sample
     # yet: the load phases appear once a load has completed.
-    declared = {
-        f.name for f in text_string_to_metric_families(live_scrape) if f.type == "gauge"
-    }
+    declared = {f.name for f in text_string_to_metric_families(live_scrape) if f.type == "gauge"}
     live = series_from_exposition(live_scrape) | declared
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
     sglang = {n for _, e in dashboard_exprs(dashboard) for n in _names(e) if ":" in n}
