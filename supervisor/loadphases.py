@@ -13,7 +13,8 @@ The markers, as SGLang 0.5.23 prints them (file:line in docs/sglang.md, "Load ma
 - `cuda_graph`: first `Capture ... graph begin` to the last `Capture ... graph end`;
 - `warmup`: the HTTP port open (or `Uvicorn running on`) to `The server is fired up and ready
   to roll!` (SGLang's own warm-up request runs in between);
-- `probe`: that line to kimi-serve's first successful decode probe.
+- `probe`: that line (or the port, if the probe passed first) to kimi-serve's first
+  successful decode probe.
 
 Every tensor-parallel rank prints its own markers, so a phase runs from the first rank's start to
 the last rank's end. A phase whose markers a release does not print (no CUDA graphs with
@@ -35,6 +36,7 @@ _KV_END = re.compile(r"Memory pool end|KV Cache is allocated")
 _GRAPH = re.compile(r"Capture .*?graph (begin|end)\b", re.IGNORECASE)
 _UVICORN = "Uvicorn running on"
 _READY = "The server is fired up and ready to roll!"
+_REPORTED = re.compile(r"(\w+)=(\d+(?:\.\d+)?)")
 
 
 @dataclass
@@ -43,6 +45,7 @@ class LoadTimeline:
 
     launched_at: float
     marks: dict[str, float] = field(default_factory=dict)
+    reported: dict[str, float] = field(default_factory=dict)
 
     def _first(self, name: str, t: float) -> None:
         self.marks.setdefault(name, t)
@@ -51,8 +54,15 @@ class LoadTimeline:
         self.marks[name] = t
 
     def feed(self, line: str, t: float) -> None:
-        if "ready" in self.marks:
-            return  # the load is over; later lines (requests, a new capture) are not load
+        if "ready" in self.marks or "probe_ok" in self.marks:
+            # The load is over; later lines (requests, a re-capture) are not load. The decode
+            # probe can pass before SGLang's own warm-up says so (seen with 0.5.23 on a CPU:
+            # 58 s before): then that warm-up did not delay serving, and stays absent.
+            return
+        if "Engine startup timings" in line:
+            # SGLang's own summary (entrypoints/engine.py:1118), kept beside ours.
+            self.reported = {k: float(v) for k, v in _REPORTED.findall(line)}
+            return
         if _WEIGHTS_BEGIN in line:
             self._first("weights_begin", t)
         elif _WEIGHTS_END in line:
@@ -88,7 +98,8 @@ class LoadTimeline:
             "kv_cache": (m.get("kv_begin"), m.get("kv_end")),
             "cuda_graph": (m.get("graph_begin"), m.get("graph_end")),
             "warmup": (m.get("port_open"), m.get("ready")),
-            "probe": (m.get("ready"), m.get("probe_ok")),
+            # From SGLang's "ready", or from the port when the probe passed before that line.
+            "probe": (m.get("ready", m.get("port_open")), m.get("probe_ok")),
         }
         out: dict[str, float] = {}
         for name in PHASES:
@@ -105,4 +116,5 @@ class LoadTimeline:
             "total_s": round(done - self.launched_at, 3) if done is not None else None,
             "phases": self.phases(),
             "missing": [p for p in PHASES if p not in self.phases()],
+            "sglang_reported": self.reported,
         }

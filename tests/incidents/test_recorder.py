@@ -71,6 +71,7 @@ async def test_an_exit_takes_no_dump_and_says_so(tmp_path: Path) -> None:
         "total_s": None,
         "phases": {"init": 5.0},
         "missing": ["weights", "kv_cache", "cuda_graph", "warmup", "probe"],
+        "sglang_reported": {},
     }
 
 

@@ -93,3 +93,42 @@ def test_the_metric_has_only_the_phases_seen() -> None:
     fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
     samples = {s.labels["phase"]: s.value for s in fams["kimi_serve_load_phase_seconds"].samples}
     assert samples == {"weights": 10.0, "warmup": 2.0}
+
+
+# A real SGLang 0.5.23 launch on a CPU (tiny Llama, --disable-cuda-graph), as kimi-serve's log
+# recorded it (seconds after the launch). kimi-serve's probe passed 0.13 s after the port
+# opened, while SGLang's own warm-up, queued behind other requests, said ready 58 s later.
+REAL_CPU_RUN = [
+    (14.379, "[2026-12-01 10:27:08] server_args={'model_path': '/work/cache/sglang-env/tiny'}"),
+    (35.767, "[2026-12-01 10:27:29] Load weight begin. avail mem=20.76 GB"),
+    (
+        35.781,
+        "[2026-12-01 10:27:29] Load weight end. elapsed=0.01 s, type=LlamaForCausalLM, "
+        "avail mem=20.76 GB, mem usage=0.00 GB.",
+    ),
+    (
+        36.400,
+        "[2026-12-01 10:27:30] KV Cache is allocated. dtype: torch.float16, #tokens: 16384, "
+        "K size: 0.00 GB, V size: 0.00 GB",
+    ),
+    (36.400, "[2026-12-01 10:27:30] Memory pool end. avail mem=20.75 GB"),
+    (
+        36.413,
+        "[2026-12-01 10:27:30] Engine startup timings (s): load_weight=0.01, "
+        "kv_cache_allocation=0.54, scheduler_e2e=2.13, cuda_graph={prefill=0.00, decode=0.00}, "
+        "tokenizer_e2e=22.06",
+    ),
+    (36.435, "[2026-12-01 10:27:30] INFO:     Uvicorn running on http://127.0.0.1:31877"),
+    (36.529, "[2026-12-01 10:27:30] Prefill batch, #new-seq: 1, cpu graph: False"),
+]
+
+
+def test_a_real_cpu_run_where_the_probe_beat_sglangs_warmup() -> None:
+    tl = feed(REAL_CPU_RUN)
+    tl.probe_ok(36.562)
+    tl.feed("[2026-12-01 10:28:28] The server is fired up and ready to roll!", 94.163)
+    assert tl.phases() == {"init": 35.767, "weights": 0.014, "kv_cache": 0.619, "probe": 0.127}
+    doc = tl.document()
+    assert doc["missing"] == ["cuda_graph", "warmup"]
+    assert doc["sglang_reported"]["load_weight"] == 0.01
+    assert doc["sglang_reported"]["kv_cache_allocation"] == 0.54
