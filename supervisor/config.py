@@ -132,9 +132,10 @@ class LogsConfig:
     tail_lines: int
 
 
-# 20 incidents of a tp=8 server with native stacks are ~5 MiB each (docs/incidents.md): 256 MiB
-# holds them with room, and is small beside the journal on the same /var. 1 GiB free is what a
-# journald, package upgrades and the launch record need to keep working after a burst.
+# 20 incidents of a tp=8 server with native stacks, estimated at up to 5 MiB each
+# (docs/incidents.md): 256 MiB holds them with room, and is small beside the journal on /var.
+# 1 GiB free is what journald, package upgrades and the launch record need to keep working
+# after a burst.
 INCIDENTS_MAX_BYTES = 256 * 2**20
 INCIDENTS_MIN_FREE = 2**30
 
