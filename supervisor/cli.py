@@ -204,6 +204,25 @@ def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return control.run_operation(args.command, base, token_file, args.timeout, out, err)
 
 
+def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import incidents
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    store = incidents.IncidentStore(cfg.incidents)
+    if args.action == "show":
+        if not args.id:
+            print(
+                "kimi-serve incidents show: which one? (an ID from `kimi-serve incidents`, "
+                "or last)",
+                file=err,
+            )
+            return 2
+        return incidents.run_show(store, args.id, args.json, out, err)
+    return incidents.run_list(store, args.json, out, err)
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import demo
 
@@ -262,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help=f"how long to wait for the answer (default {timeout:g})",
         )
+    p = add(
+        "incidents",
+        cmd_incidents,
+        "list the incident directories (newest first), or `show ID` for one",
+    )
+    p.add_argument("action", nargs="?", choices=["show"], help="show one incident")
+    p.add_argument("id", nargs="?", metavar="ID", help="incident id, unique prefix, or last")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
     p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
     p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")

@@ -146,6 +146,26 @@ class LogsConfig:
     tail_lines: int
 
 
+# 20 incidents of a tp=8 server with native stacks, estimated at up to 5 MiB each
+# (docs/incidents.md): 256 MiB holds them with room, and is small beside the journal on /var.
+# 1 GiB free is what journald, package upgrades and the launch record need to keep working
+# after a burst.
+INCIDENTS_MAX_BYTES = 256 * 2**20
+INCIDENTS_MIN_FREE = 2**30
+
+
+@dataclass(frozen=True)
+class IncidentsConfig:
+    dir: str  # default <state_dir>/incidents
+    keep: int  # newest N kept
+    dump_timeout: float  # budget for stack dumps of a live, broken SGLang before the kill
+    # Bounds, so evidence never costs the host its disk: the incidents together stay under
+    # max_bytes (oldest removed first), and nothing large is written while the filesystem has
+    # less than min_free_bytes free (see docs/incidents.md).
+    max_bytes: int
+    min_free_bytes: int
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     format: str  # "json" | "console"
@@ -166,6 +186,11 @@ class Config:
     state_dir: str
     logs: LogsConfig
     logging: LoggingConfig
+    incidents: IncidentsConfig = field(
+        default_factory=lambda: IncidentsConfig(
+            "/var/lib/kimi-serve/incidents", 20, 10.0, INCIDENTS_MAX_BYTES, INCIDENTS_MIN_FREE
+        )
+    )
 
     def profile(self, name: str) -> Profile:
         if name == PRIMARY:
@@ -253,6 +278,36 @@ def parse_duration(value: object) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"{value!r} is too long for a duration")
     return seconds
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_UNIT_BYTES = {
+    None: 1,
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+
+def parse_size(value: object) -> int:
+    """`512MiB`, `1GiB`, `100MB` or a number of bytes -> bytes. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 256MiB or 1GiB, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value} is negative; a size is 0 or more")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(float(m.group(1)) * _UNIT_BYTES[m.group(2)])
+    raise ValueError(f"{value!r} is not a size; write it as 256MiB, 1GiB, 100MB or bytes")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -703,6 +758,18 @@ def _logging(r: _Reader, raw: object) -> LoggingConfig:
     )
 
 
+def _incidents(r: _Reader, raw: object, state_dir: str) -> IncidentsConfig:
+    p = "incidents"
+    s = r.section(raw, p, ("dir", "keep", "dump_timeout", "max_bytes", "min_free_bytes"))
+    return IncidentsConfig(
+        dir=r.get(s, p, "dir", _opt_string, None) or os.path.join(state_dir, "incidents"),
+        keep=r.get(s, p, "keep", _int_in(1, 10_000), 20),
+        dump_timeout=r.get(s, p, "dump_timeout", _positive_duration, 10.0),
+        max_bytes=r.get(s, p, "max_bytes", parse_size, INCIDENTS_MAX_BYTES),
+        min_free_bytes=r.get(s, p, "min_free_bytes", parse_size, INCIDENTS_MIN_FREE),
+    )
+
+
 TOP_KEYS = (
     "sglang",
     "profiles",
@@ -715,6 +782,7 @@ TOP_KEYS = (
     "state_dir",
     "logs",
     "logging",
+    "incidents",
 )
 
 
@@ -859,6 +927,7 @@ def parse(text: str, file: str) -> Config:
         state_dir=state_dir,
         logs=_logs(r, top.get("logs")),
         logging=_logging(r, top.get("logging")),
+        incidents=_incidents(r, top.get("incidents"), state_dir),
     )
     restart_raw = top.get("restart")
     if (

@@ -38,6 +38,15 @@ _LEVEL_WORDS = (
 )
 
 
+def exception_line(lines: Iterable[str]) -> str | None:
+    """The last line that names an exception (a traceback's last line), if any."""
+    found = None
+    for line in lines:
+        if _EXCEPTION_LINE.match(line.strip()):
+            found = line.strip()
+    return found
+
+
 class Stream(StrEnum):
     STDOUT = "stdout"
     STDERR = "stderr"

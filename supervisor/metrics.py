@@ -160,6 +160,13 @@ class Metrics:
             "Unix time the current state was entered.",
             registry=r,
         )
+        self.load_phase = Gauge(
+            "kimi_serve_load_phase_seconds",
+            "The last launch's load, split at SGLang's own log markers (supervisor/loadphases.py);"
+            " a phase SGLang did not print is absent, not 0.",
+            ["phase"],
+            registry=r,
+        )
         self.admin_denied = Counter(
             "kimi_serve_admin_denied",
             "Admin requests refused for a missing or wrong bearer token, by endpoint.",
@@ -232,6 +239,12 @@ class Metrics:
         self.profile.clear()  # a profile removed by a reload must not stay at 1
         for name in known:
             self.profile.labels(name).set(1 if name == profile else 0)
+
+    def set_load_phases(self, phases: dict[str, float]) -> None:
+        # clear() first: a phase of the previous launch that this one did not print must go.
+        self.load_phase.clear()
+        for phase, seconds in phases.items():
+            self.load_phase.labels(phase).set(seconds)
 
     def set_sglang_version(self, version: str) -> None:
         self.build.clear()

@@ -64,6 +64,12 @@ def render(doc: dict[str, Any], now: float) -> str:
         )
         if probe.get("error"):
             out.append(f"            {probe['error']}")
+    load = doc.get("last_load")
+    if isinstance(load, dict) and load.get("phases"):
+        total = load.get("total_s")
+        head = f"{total:.0f} s" if isinstance(total, int | float) else "incomplete"
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in load["phases"].items())
+        out.append(f" Last load: {head} ({parts})")
     intent = doc.get("intent") or {}
     for m in intent.get("mismatches") or []:
         out.append(
@@ -96,6 +102,10 @@ def render(doc: dict[str, Any], now: float) -> str:
         )
         if last.get("detail"):
             out.append(f"  {last['detail']}")
+        if last.get("incident"):
+            name = str(last["incident"]).rstrip("/").rsplit("/", 1)[-1]
+            out.append(f"  Incident: {last['incident']}")
+            out.append(f"    kimi-serve incidents show {name}")
         tail = last.get("log_tail") or []
         if "log_tail" in (doc.get("redacted") or []) and not tail:
             out.append("  (SGLang's last lines are shown with the admin token: run as root or")

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import threading
 import time
 import uuid
 import zlib
@@ -269,7 +270,7 @@ class Engine:
                 f"token usage: 0.00, #running-req: {len(self.running) - 1}, #queue-req: 0",
             )
             if outcome is Outcome.HANG:
-                await _forever()
+                await asyncio.to_thread(decode_step_hung)
             await self._produce(n, outcome is Outcome.SLOW)
         finally:
             self.running.discard(rid)
@@ -349,6 +350,12 @@ class Engine:
         for i, bound in enumerate(TTFT_BUCKETS):
             if seconds <= bound:
                 self.ttft_counts[i] += 1
+
+
+def decode_step_hung() -> None:
+    """A decode step that never returns, on a thread of its own as a stuck CUDA call would be:
+    the HTTP loop stays up, and a py-spy dump shows this frame (tests look for its name)."""
+    threading.Event().wait()
 
 
 async def _forever() -> None:

@@ -13,6 +13,8 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RULES_FILE = REPO_ROOT / "etc" / "prometheus" / "kimi-serve-rules.yml"
 RULES_TEST_FILE = Path(__file__).resolve().parent / "kimi-serve-rules.test.yml"
+# Every promtool test file: the main one, and the rules over days at a coarser interval.
+RULES_TEST_FILES = sorted(Path(__file__).resolve().parent.glob("*.test.yml"))
 DASHBOARD_FILE = REPO_ROOT / "etc" / "grafana" / "kimi-serve.json"
 RUNBOOK_FILE = REPO_ROOT / "docs" / "runbook.md"
 GET_PROMTOOL = REPO_ROOT / "tools" / "get-promtool"

@@ -41,6 +41,8 @@ CONTRACT_METRICS: dict[str, str] = {
     # The contract's GPU fitness section.
     "kimi_serve_gpu_healthy": "gauge",
     "kimi_serve_gpu_xid_events_total": "counter",
+    # Incidents section of the contract.
+    "kimi_serve_load_phase_seconds": "gauge",
 }
 
 

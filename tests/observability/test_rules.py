@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import RULES_FILE, RULES_TEST_FILE, RUNBOOK_FILE, run_promtool
+from .conftest import RULES_FILE, RULES_TEST_FILES, RUNBOOK_FILE, run_promtool
 
 RUNBOOK_URL_PREFIX = "https://github.com/kimi-serve/kimi-serve/blob/main/docs/runbook.md#"
 SEVERITIES = {"critical", "warning", "info"}
@@ -31,7 +31,8 @@ def test_promtool_check_rules(promtool: Path) -> None:
 
 
 def test_promtool_test_rules(promtool: Path) -> None:
-    done = run_promtool(promtool, "test", "rules", str(RULES_TEST_FILE))
+    assert len(RULES_TEST_FILES) >= 2
+    done = run_promtool(promtool, "test", "rules", *map(str, RULES_TEST_FILES))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -170,11 +171,10 @@ def test_runbook_covers_every_restart_reason() -> None:
 def test_every_alert_is_unit_tested_firing_and_silent(
     alert_rules: list[dict[str, Any]],
 ) -> None:
-    with RULES_TEST_FILE.open() as f:
-        suite = yaml.safe_load(f)
+    cases = [case for f in RULES_TEST_FILES for case in yaml.safe_load(f.read_text())["tests"]]
     fires: set[str] = set()
     silent: set[str] = set()
-    for case in suite["tests"]:
+    for case in cases:
         for check in case.get("alert_rule_test", []):
             (fires if check.get("exp_alerts") else silent).add(check["alertname"])
     names = {r["alert"] for r in alert_rules}
@@ -185,10 +185,16 @@ def test_every_alert_is_unit_tested_firing_and_silent(
 
 
 def test_every_recording_rule_is_unit_tested(rules: dict[str, Any]) -> None:
-    with RULES_TEST_FILE.open() as f:
-        suite = yaml.safe_load(f)
-    tested = " ".join(
-        check["expr"] for case in suite["tests"] for check in case.get("promql_expr_test", [])
-    )
+    cases = [case for f in RULES_TEST_FILES for case in yaml.safe_load(f.read_text())["tests"]]
+    tested = " ".join(check["expr"] for case in cases for check in case.get("promql_expr_test", []))
     records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
     assert [r for r in records if r not in tested] == []
+
+
+def test_restart_alerts_start_with_the_incident() -> None:
+    # On-call's first step after any restart is the incident the daemon wrote for it.
+    text = RUNBOOK_FILE.read_text()
+    for alert in ("KimiServeRestarted", "KimiServeCrashLooping", "KimiServeFailed"):
+        section = text.split(f"## {alert}\n", 1)[1]
+        look = section.split("**Look:**\n", 1)[1].lstrip()
+        assert look.startswith("- `kimi-serve incidents show last`"), alert

@@ -30,6 +30,7 @@ PURPOSE = {
     "probe": "readiness decode probe",
     "gpu-clean": "leftover GPU processes",
     "status": "running daemon for its state",
+    "incidents": "incident directories",
     "demo": "SGLang stand-in",
     "restart": "restart SGLang",
     "drain": "deregister from the router",

@@ -1,0 +1,147 @@
+"""`kimi-serve incidents [--json]` and `kimi-serve incidents show ID`, as on-call meets them:
+the directory comes from the config, a real py-spy capture of a real hung process is shown with
+its hung frame, and bad input is a message, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor import cli, status
+from supervisor.incidents import Incident, IncidentStore
+from supervisor.stacks import capture
+
+from .conftest import Spawn
+from .test_incidents import TRACEBACK, Clock, cfg, incident
+
+KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
+
+
+def write_config(tmp_path: Path, incidents_dir: Path) -> Path:
+    path = tmp_path / "kimi-serve.yaml"
+    path.write_text(
+        f"sglang: {{model_path: /models/m}}\nstate_dir: {tmp_path / 'state'}\n"
+        f"incidents: {{dir: {incidents_dir}, keep: 5}}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def populated(tmp_path: Path, hung_child: Spawn) -> tuple[Path, list[str]]:
+    """Two incidents: an exit without stacks, then a hang with real py-spy stacks."""
+    inc_dir = tmp_path / "incidents"
+    store = IncidentStore(cfg(inc_dir), clock=Clock())
+    exited = Incident(
+        reason="exited",
+        detail="killed by signal 9",
+        launch=1,
+        profile="primary",
+        signal=9,
+        log_tail=TRACEBACK,
+        no_stacks_reason="process_gone: SGLang had exited; a dead process has no stack",
+    )
+    proc = hung_child()
+    cap = asyncio.run(capture([proc.pid], timeout=10.0))
+    assert cap.ok
+    hang = Incident(**{**incident(launch=2).__dict__, "capture": cap, "log_tail": ["no output"]})
+    names = [store.write(exited).path.name, store.write(hang).path.name]  # type: ignore[union-attr]
+    return write_config(tmp_path, inc_dir), names
+
+
+def test_list_newest_first(
+    populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, (first, second) = populated
+    assert cli.main(["incidents", "--config", str(config)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("2 incidents in ")
+    assert out[1].split()[0] == second and out[2].split()[0] == first
+    assert "no stacks" in out[2] and "AttributeError" in out[2]
+    assert "stacks" in out[1].split()
+    assert out[-1] == "details: kimi-serve incidents show ID"
+
+
+def test_list_json(populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    config, (first, second) = populated
+    assert cli.main(["incidents", "--json", "--config", str(config)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in rows] == [second, first]
+    assert rows[1]["stacks"] is False and rows[1]["stacks_reason"].startswith("process_gone")
+    assert rows[0]["reason"] == "liveness_failed" and rows[0]["launch"] == 2
+
+
+def test_show_prints_the_summary_exception_and_hung_frame(
+    populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, (first, second) = populated
+    assert cli.main(["incidents", "show", second, "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"Incident {second}" in out
+    assert "liveness_failed  launch 2  profile primary  (signal 9)" in out
+    assert "Innermost frames, per process" in out
+    assert "wedged_in_all_reduce" in out
+    assert cli.main(["incidents", "show", first, "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "exception: AttributeError: 'EAGLEWorkerV2' object" in out
+    assert "No stacks: process_gone" in out
+    assert cli.main(["incidents", "show", "last", "--json", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == second
+
+
+def test_show_unknown_and_missing_id(
+    populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, _ = populated
+    assert cli.main(["incidents", "show", "nope", "--config", str(config)]) == 1
+    assert "no incident 'nope'" in capsys.readouterr().err
+    assert cli.main(["incidents", "show", "--config", str(config)]) == 2
+    assert "which one?" in capsys.readouterr().err
+
+
+def test_an_empty_or_missing_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path, tmp_path / "never-created")
+    assert cli.main(["incidents", "--config", str(config)]) == 0
+    assert "no incidents in" in capsys.readouterr().out
+
+
+def test_the_installed_command_and_a_bad_config(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sglang: {model_path: /m}\nincidents: {keep: 0}\n")
+    done = subprocess.run(
+        [str(KIMI_SERVE), "incidents", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 78
+    assert f"{bad}:2: incidents.keep: 0 is out of range" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_status_names_the_last_incident() -> None:
+    doc = {
+        "state": "ready",
+        "last_restart": {
+            "reason": "liveness_failed",
+            "at": 1.0,
+            "signal": 9,
+            "incident": "/var/lib/kimi-serve/incidents/20261201T031209Z-liveness_failed-launch4",
+        },
+    }
+    doc["last_load"] = {
+        "complete": True,
+        "total_s": 612.4,
+        "phases": {"init": 12.0, "weights": 289.0, "cuda_graph": 108.0},
+    }
+    text = status.render(doc, now=100.0)
+    assert " Last load: 612 s (init 12 s, weights 289 s, cuda_graph 108 s)" in text
+    assert (
+        "Incident: /var/lib/kimi-serve/incidents/20261201T031209Z-liveness_failed-launch4" in text
+    )
+    assert "kimi-serve incidents show 20261201T031209Z-liveness_failed-launch4" in text

@@ -1,0 +1,134 @@
+"""supervisor.loadphases: SGLang 0.5.23's own load markers (as its logger prints them, rank
+prefix included) into phases; phases a release does not print are absent, never 0."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.loadphases import PHASES, LoadTimeline
+from supervisor.metrics import Metrics
+
+# model_runner.py:1274 / 1373, kv_cache_configurator.py:499, cuda_graph_setup.py:759 / 788,
+# http_server.py:2600 (sglang 0.5.23); uvicorn's own start line.
+TP0, TP1 = "[2026-12-01 10:00:00 TP0] ", "[2026-12-01 10:00:00 TP1] "
+REAL_0_5_23 = [
+    (12.0, TP0 + "Load weight begin. avail mem=139.24 GB"),
+    (12.5, TP1 + "Load weight begin. avail mem=139.24 GB"),
+    (
+        300.0,
+        TP1 + "Load weight end. elapsed=287.50 s, type=DeepseekV3ForCausalLM, avail mem=70.1 GB",
+    ),
+    (
+        301.0,
+        TP0 + "Load weight end. elapsed=289.00 s, type=DeepseekV3ForCausalLM, avail mem=70.1 GB",
+    ),
+    (340.0, TP0 + "Memory pool end. avail mem=25.30 GB"),
+    (341.0, TP1 + "Memory pool end. avail mem=25.30 GB"),
+    (342.0, TP0 + "Capture target verify CUDA graph begin. backend=fa3, num_tokens_per_req=4"),
+    (420.0, TP1 + "Capture target verify CUDA graph end. bs=[1, 2, 4], elapsed=78.0 s"),
+    (430.0, TP0 + "Capture draft decode CUDA graph begin. backend=fa3"),
+    (450.0, TP0 + "Capture draft decode CUDA graph end. bs=[1, 2, 4], elapsed=20.0 s"),
+    (470.0, "INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)"),
+    (500.0, "[2026-12-01 10:08:20] The server is fired up and ready to roll!"),
+    (510.0, TP0 + "Prefill batch, #new-seq: 1, #new-token: 6"),
+    (600.0, TP0 + "Capture target verify CUDA graph begin. (a re-capture after load)"),
+]
+
+
+def feed(lines: list[tuple[float, str]], launched_at: float = 0.0) -> LoadTimeline:
+    tl = LoadTimeline(launched_at)
+    for t, line in lines:
+        tl.feed(line, t)
+    return tl
+
+
+def test_every_phase_of_a_real_load() -> None:
+    tl = feed(REAL_0_5_23[:10])
+    tl.port_open(469.5)  # the daemon saw the port before uvicorn's line was read
+    for t, line in REAL_0_5_23[10:]:
+        tl.feed(line, t)
+    tl.probe_ok(501.25)
+    assert tl.phases() == {
+        "init": 12.0,
+        "weights": 289.0,  # first rank's begin to the last rank's end
+        "kv_cache": 40.0,
+        "cuda_graph": 108.0,  # every capture, target and draft
+        "warmup": 30.5,
+        "probe": 1.25,
+    }
+    assert list(tl.phases()) == list(PHASES)
+    doc = tl.document()
+    assert doc["complete"] is True and doc["total_s"] == 501.25 and doc["missing"] == []
+
+
+def test_phases_not_printed_are_absent_not_zero() -> None:
+    # --disable-cuda-graph: no capture lines; a load that never got past the weights.
+    lines = [(t, ln) for t, ln in REAL_0_5_23 if "graph" not in ln]
+    tl = feed(lines)
+    assert "cuda_graph" not in tl.phases()
+    assert tl.document()["missing"] == ["cuda_graph", "probe"]
+    partial = feed(REAL_0_5_23[:3])
+    assert partial.phases() == {"init": 12.0, "weights": 288.0}
+    assert partial.document()["complete"] is False and partial.document()["total_s"] is None
+
+
+def test_older_release_wording() -> None:
+    # Releases before 0.5.x (and the stand-in) print these.
+    tl = feed(
+        [
+            (1.0, "[TP0] Load weight begin. avail mem=139.24 GB"),
+            (5.0, "[TP0] Load weight end. type=DeepseekV3ForCausalLM"),
+            (6.0, "[TP0] KV Cache is allocated. #tokens: 480000, KV size: 41.17 GB"),
+            (7.0, "[TP0] Capture cuda graph begin. This can take up to several minutes."),
+            (9.0, "[TP0] Capture cuda graph end. Time elapsed: 2.00 s."),
+        ]
+    )
+    assert tl.phases() == {"init": 1.0, "weights": 4.0, "kv_cache": 1.0, "cuda_graph": 2.0}
+
+
+def test_the_metric_has_only_the_phases_seen() -> None:
+    m = Metrics()
+    m.set_load_phases(feed(REAL_0_5_23).phases())
+    m.set_load_phases({"weights": 10.0, "warmup": 2.0})  # the next launch printed fewer
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    samples = {s.labels["phase"]: s.value for s in fams["kimi_serve_load_phase_seconds"].samples}
+    assert samples == {"weights": 10.0, "warmup": 2.0}
+
+
+# A real SGLang 0.5.23 launch on a CPU (tiny Llama, --disable-cuda-graph), as kimi-serve's log
+# recorded it (seconds after the launch). kimi-serve's probe passed 0.13 s after the port
+# opened, while SGLang's own warm-up, queued behind other requests, said ready 58 s later.
+REAL_CPU_RUN = [
+    (14.379, "[2026-12-01 10:27:08] server_args={'model_path': '/work/cache/sglang-env/tiny'}"),
+    (35.767, "[2026-12-01 10:27:29] Load weight begin. avail mem=20.76 GB"),
+    (
+        35.781,
+        "[2026-12-01 10:27:29] Load weight end. elapsed=0.01 s, type=LlamaForCausalLM, "
+        "avail mem=20.76 GB, mem usage=0.00 GB.",
+    ),
+    (
+        36.400,
+        "[2026-12-01 10:27:30] KV Cache is allocated. dtype: torch.float16, #tokens: 16384, "
+        "K size: 0.00 GB, V size: 0.00 GB",
+    ),
+    (36.400, "[2026-12-01 10:27:30] Memory pool end. avail mem=20.75 GB"),
+    (
+        36.413,
+        "[2026-12-01 10:27:30] Engine startup timings (s): load_weight=0.01, "
+        "kv_cache_allocation=0.54, scheduler_e2e=2.13, cuda_graph={prefill=0.00, decode=0.00}, "
+        "tokenizer_e2e=22.06",
+    ),
+    (36.435, "[2026-12-01 10:27:30] INFO:     Uvicorn running on http://127.0.0.1:31877"),
+    (36.529, "[2026-12-01 10:27:30] Prefill batch, #new-seq: 1, cpu graph: False"),
+]
+
+
+def test_a_real_cpu_run_where_the_probe_beat_sglangs_warmup() -> None:
+    tl = feed(REAL_CPU_RUN)
+    tl.probe_ok(36.562)
+    tl.feed("[2026-12-01 10:28:28] The server is fired up and ready to roll!", 94.163)
+    assert tl.phases() == {"init": 35.767, "weights": 0.014, "kv_cache": 0.619, "probe": 0.127}
+    doc = tl.document()
+    assert doc["missing"] == ["cuda_graph", "warmup"]
+    assert doc["sglang_reported"]["load_weight"] == 0.01
+    assert doc["sglang_reported"]["kv_cache_allocation"] == 0.54
