@@ -239,7 +239,6 @@ class Engine:
         if outcome is Outcome.CRASH and not self.scheduler_dead:
             self.scheduler_died()
             self.log.tp(0, tracebacks.SEED_INCIDENT)
-            self.log.info(tracebacks.SIGQUIT_FROM_CHILD)
             self._on_fatal()
         if self.scheduler_dead:
             await _forever()  # nothing is left to answer; the connection dies with the process

@@ -156,12 +156,14 @@ class Standin:
     # -- processes ------------------------------------------------------------------------
 
     def children(self) -> list[psutil.Process]:
-        """The stand-in's scheduler and detokenizer children, by their argv title."""
+        """The stand-in's scheduler and detokenizer children, by their title: the first argv
+        element once set (setproctitle), the last one while a child starts (or an orphan)."""
         found = []
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    if child.cmdline()[-1:] and child.cmdline()[-1].startswith("sglang::"):
+                    cmdline = child.cmdline()
+                    if any(a.startswith("sglang::") for a in {*cmdline[:1], *cmdline[-1:]}):
                         found.append(child)
         for child in found:
             if all(child.pid != k.pid for k in self.known_children):

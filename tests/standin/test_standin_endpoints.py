@@ -42,7 +42,8 @@ def plain(module_launch: Launcher) -> Standin:
 
 def test_children_are_real_processes_with_sglang_titles(spec: Standin) -> None:
     children = spec.children()
-    assert sorted(c.cmdline()[-1] for c in children) == [
+    # setproctitle: the title replaces argv (sglang/srt/managers/scheduler.py:6294).
+    assert sorted(c.cmdline()[0] for c in children) == [
         "sglang::detokenizer",
         "sglang::scheduler_TP0",
         "sglang::scheduler_TP1",
