@@ -219,12 +219,13 @@ class Standin:
             timeout,
         )
 
-    def metric(self, name: str) -> float:
-        """The value of the one sample of `name` (labels ignored)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the first sample of `name` carrying `labels` (other labels ignored)."""
         for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            named = line.startswith(name + "{") or line.startswith(name + " ")
+            if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} not in /metrics")
+        raise AssertionError(f"{name} {labels} not in /metrics")
 
     def port_open(self) -> bool:
         with socket.socket() as s:

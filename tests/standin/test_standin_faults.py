@@ -187,12 +187,16 @@ def test_slow_decode_is_busy_not_dead(launch: Launcher) -> None:
         started = time.monotonic()
         slow = pool.submit(s.generate, 8, 15.0)
         wait_until("the slow decode to run", lambda: s.metric("sglang:num_running_reqs") == 1)
-        tokens = s.metric("sglang:generation_tokens_total")
+        # The scheduler's realtime counter moves every batch; the tokenizer manager's
+        # generation counter only when a request finishes (as in SGLang 0.5.23).
+        tokens = s.metric("sglang:realtime_tokens_total", mode="decode")
+        finished = s.metric("sglang:generation_tokens_total")
         wait_until(
-            "the generated-token counter to advance",
-            lambda: s.metric("sglang:generation_tokens_total") > tokens,
+            "the realtime decode counter to advance",
+            lambda: s.metric("sglang:realtime_tokens_total", mode="decode") > tokens,
             timeout=1.0,
         )
+        assert s.metric("sglang:generation_tokens_total") == finished
         health_started = time.monotonic()
         assert s.get("/health").status_code == 200
         assert time.monotonic() - health_started < 0.5
