@@ -262,13 +262,13 @@ class Server:
         return runner
 
     async def _warmup(self) -> None:
-        """http_server._execute_server_warmup: /get_model_info, then an 8-token /generate.
+        """http_server._execute_server_warmup: /model_info, then an 8-token /generate.
 
         It runs inside the process: the stand-in's faults are for its clients, and the seed
         incident's server passed SGLang's warmup too.
         """
         await self._at(time.monotonic() + self.settings.warmup_seconds)
-        self.log.access("127.0.0.1:40000", "GET", "/get_model_info", 200, "OK")
+        self.log.access("127.0.0.1:40000", "GET", "/model_info", 200, "OK")
         with self.engine.request() as rid:
             await self.engine.decode(rid, "The capital city of France is", 6, 8, internal=True)
         self.log.access("127.0.0.1:40000", "POST", "/generate", 200, "OK")
