@@ -5,11 +5,14 @@ live process table, so everything around it (processes, signals, identity checks
 
 - `KIMI_SERVE_SIMULATED_GPUS=N`: N GPUs, indexes 0..N-1, with fixed fake UUIDs.
 - A process holds `KIMI_SERVE_SIMULATED_GPU_MIB` (default 4096) MiB on GPU i when its command
-  line's last argument is `sglang::scheduler_TP<i>` (how the SGLang stand-in names its scheduler
-  children, as SGLang's own process titles read) or it carries `--sim-gpu i` (repeatable).
+  line's first or last argument is `sglang::scheduler_TP<i>` (`sglang::scheduler`: GPU 0), as
+  SGLang's process titles read (first: after setproctitle; last: the stand-in's children before
+  it), or it carries `--sim-gpu i` (repeatable).
 - `KIMI_SERVE_SIM_TAG` (required): only processes whose environment carries the same tag are
   seen, so tests and demos running side by side on one machine never see (or clean) each
-  other's processes; whatever the daemon launches inherits the tag from its environment.
+  other's processes; whatever the daemon launches inherits the tag from its environment. A
+  titled scheduler's environment reads empty (setproctitle reuses its memory unless
+  SPT_NOENV=1): its parent's environment is asked instead.
 - A dead process frees its memory; so does a zombie, as measured on an H200 (docs/sglang.md,
   "GPU memory").
 - `KIMI_SERVE_SIMULATED_WEDGED_MIB`: memory held with no process, as a wedged GPU shows it:
@@ -56,7 +59,7 @@ ENV_HEALTH = "KIMI_SERVE_SIMULATED_GPU_HEALTH"
 ENV_XID_FILE = "KIMI_SERVE_SIMULATED_XID_FILE"
 CONDITIONS = ("lost", "recovery", "remap_pending", "remap_failure", "ecc", "unsupported")
 TOTAL_MIB = 143771  # an H200 as nvidia-smi shows it
-_SCHEDULER = re.compile(r"sglang::scheduler_TP(\d+)")
+_SCHEDULER = re.compile(r"sglang::scheduler(?:_TP(\d+))?")
 
 
 def simulated_uuid(index: int) -> str:
@@ -66,8 +69,9 @@ def simulated_uuid(index: int) -> str:
 def gpus_of(cmdline: Sequence[str]) -> set[int]:
     """The simulated GPUs a command line claims memory on."""
     out = set()
-    if cmdline and (m := _SCHEDULER.fullmatch(cmdline[-1])):
-        out.add(int(m.group(1)))
+    for arg in {cmdline[0], cmdline[-1]} if cmdline else ():
+        if m := _SCHEDULER.fullmatch(arg):
+            out.add(int(m.group(1) or 0))
     for flag, value in itertools.pairwise(cmdline):
         if flag == "--sim-gpu" and value.isdigit():
             out.add(int(value))
@@ -245,7 +249,10 @@ class SimulatedNvml:
             if not gpus:
                 continue
             try:
-                if proc.environ().get(ENV_TAG) != self.tag:
+                env = proc.environ()
+                if not env and (parent := proc.parent()) is not None:
+                    env = parent.environ()
+                if env.get(ENV_TAG) != self.tag:
                     continue
             except (psutil.Error, OSError):
                 continue

@@ -64,6 +64,7 @@ def _message_text(content: Any) -> str:
 
 
 def _generate_meta(result: Result) -> dict[str, Any]:
+    """tokenizer_manager._handle_batch_output's meta_info, the keys kimi-serve reads."""
     n = result.completion_tokens
     finish: dict[str, Any] = (
         {"type": "stop", "matched": EOS_TOKEN_ID}
@@ -75,21 +76,22 @@ def _generate_meta(result: Result) -> dict[str, Any]:
         "finish_reason": finish,
         "prompt_tokens": result.prompt_tokens,
         "weight_version": "default",
-        "total_retractions": 0,
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
         "completion_tokens": n,
         "cached_tokens": 0,
     }
-    if result.spec is not None:
+    # tokenizer_manager.py:3149-3172: the spec keys exist only when verification ran;
+    # without speculative decoding (or with no verify step) they are absent, not 0.
+    if result.spec is not None and result.spec.verify_ct:
         spec = result.spec
-        meta |= {"spec_accept_rate": 0.0, "spec_accept_length": 0, "spec_verify_ct": 0}
-        if spec.verify_ct:
-            meta |= {
-                "spec_accept_rate": spec.accept_rate,
-                "spec_accept_length": spec.accept_length,
-                "spec_accept_token_num": spec.accepted_tokens,
-                "spec_draft_token_num": spec.draft_tokens,
-                "spec_verify_ct": spec.verify_ct,
-            }
+        meta |= {
+            "spec_accept_rate": spec.accept_rate,
+            "spec_accept_length": spec.accept_length,
+            "spec_num_correct_drafts": spec.accepted_tokens,
+            "spec_num_proposed_drafts": spec.draft_tokens,
+            "spec_verify_ct": spec.verify_ct,
+        }
     meta["e2e_latency"] = result.e2e_latency
     return meta
 
@@ -137,6 +139,18 @@ class Api:
         try:
             return await handler(request)
         except BadRequest as exc:
+            if request.path.startswith("/v1/"):
+                # serving_base.create_error_response: the OpenAI error object.
+                return _json(
+                    {
+                        "object": "error",
+                        "message": str(exc),
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    },
+                    status=400,
+                )
             # http_server._create_error_response
             return _json({"error": {"message": str(exc)}}, status=400)
 
@@ -232,9 +246,8 @@ class Api:
         elif isinstance(input_ids, list) and all(isinstance(i, int) for i in input_ids):
             prompt, prompt_tokens = "", max(1, len(input_ids))
         else:
-            raise BadRequest(
-                "Either text or input_ids should be provided (one prompt, not a batch)."
-            )
+            # io_struct.GenerateReqInput's own message (batched prompts are not imitated).
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
         sampling = body.get("sampling_params") or {}
         if not isinstance(sampling, dict):
             raise BadRequest("sampling_params must be an object")
@@ -259,7 +272,7 @@ class Api:
         body = await self._body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
+            raise BadRequest("Messages cannot be empty.")
         texts = [_message_text(m.get("content")) for m in messages if isinstance(m, dict)]
         users = [
             _message_text(m.get("content"))

@@ -1,13 +1,15 @@
 """A scheduler or detokenizer child: `python -m supervisor.standin.child ... --role <title>`.
 
-SGLang's children are real processes named by setproctitle (`sglang::scheduler_TP<i>`,
-`sglang::detokenizer`; sglang/srt/managers/scheduler.py and detokenizer_manager.py). Here the
-title is the last argv element, so `ps` and psutil's cmdline show it, and the kernel's comm
-name is set too (truncated to 15 bytes, as setproctitle's is).
+SGLang's children are real processes named by setproctitle (`sglang::scheduler` with tp 1,
+`sglang::scheduler_TP<i>` otherwise, `sglang::detokenizer`; sglang/srt/managers/scheduler.py:6294).
+The title arrives as the last argv element (what a child still starting shows) and is then set
+as setproctitle sets it (supervisor/standin/proctitle.py): /proc/PID/cmdline becomes the title,
+and /proc/PID/environ is wiped unless SPT_NOENV=1.
 
 Like SGLang's `kill_itself_when_parent_died` (PR_SET_PDEATHSIG=SIGKILL) a normal child dies
 with the main process. The orphans fault imitates a child that never reached that call
-(sglang #23627): it leaves the process group and outlives a SIGKILLed parent.
+(sglang #23627): it leaves the process group, outlives a SIGKILLed parent and, never having
+reached setproctitle either, keeps its start-up command line and environment.
 
 Kept free of heavy imports: tp_size + 1 of these start with every launch.
 """
@@ -21,8 +23,9 @@ import signal
 import time
 from collections.abc import Sequence
 
+from supervisor.standin.proctitle import set_title
+
 _PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 _POLL_SECONDS = 0.2
 
 
@@ -54,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _prctl(_PR_SET_NAME, args.role.encode()[:15])
+    if not args.orphan:
+        # SGLang arms PDEATHSIG first, then sets the title (configure_scheduler_process).
+        set_title(args.role)
     # A scheduler reports "ready" to the main process through a pipe once it is set up.
     os.write(args.ready_fd, b"r")
     os.close(args.ready_fd)

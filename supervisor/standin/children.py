@@ -19,8 +19,9 @@ DETOKENIZER = "sglang::detokenizer"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def scheduler_role(rank: int) -> str:
-    return f"sglang::scheduler_TP{rank}"
+def scheduler_role(rank: int, tp_size: int) -> str:
+    """sglang/srt/managers/scheduler.py:6294: the `_TP<rank>` suffix only when tp > 1."""
+    return f"sglang::scheduler_TP{rank}" if tp_size > 1 else "sglang::scheduler"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Children:
             flags += ["--orphan", "--lifetime", str(options.lifetime)]
         if options.ignore_sigterm:
             flags.append("--ignore-sigterm")
-        for role in [*(scheduler_role(r) for r in range(tp_size)), DETOKENIZER]:
+        for role in [*(scheduler_role(r, tp_size) for r in range(tp_size)), DETOKENIZER]:
             argv = [sys.executable, "-m", "supervisor.standin.child", *flags, "--role", role]
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, pass_fds=(ready_w,))
             self._procs.append((role, proc))
@@ -81,6 +82,10 @@ class Children:
     @property
     def pids(self) -> list[int]:
         return [proc.pid for _, proc in self._procs]
+
+    def alive(self) -> list[str]:
+        """The roles of the children still running."""
+        return [role for role, proc in self._procs if proc.poll() is None]
 
     def newly_dead(self) -> list[Death]:
         """Children that exited since the last call (each reported once)."""

@@ -6,8 +6,12 @@ What it imitates (sglang/srt/managers/tokenizer_manager.py, scheduler.py):
   scheduler is gone (then it waits SGLANG_HEALTH_CHECK_TIMEOUT and answers 503).
 - A decode produces exactly max_new_tokens (the stand-in has no EOS), so
   `completion_tokens == max_new_tokens` and `finish_reason` is "length".
-- Counters move while tokens are produced, as SGLang's do; a hung request keeps
-  `num_running_reqs` up while `generation_tokens_total` stands still.
+- Counters as SGLang's move: the scheduler's `realtime_tokens_total{mode="prefill_compute"}`
+  at each prefill and `{mode="decode"}` while tokens are produced (every batch); the tokenizer
+  manager's `generation_tokens_total` only when a request finishes, by its whole token count
+  (sglang/srt/observability/metrics_collector.py:1032 and :1860; tokenizer_manager.py:3261).
+  A hung request keeps `num_running_reqs` up while every counter stands still; a long
+  generation moves `realtime_tokens_total` and not `generation_tokens_total`.
 """
 
 from __future__ import annotations
@@ -169,6 +173,8 @@ class Engine:
         self.decodes_started = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.realtime_prefill_tokens = 0
+        self.realtime_decode_tokens = 0
         self.gen_throughput = 0.0
         self.spec_accept_length = 0.0
         self.spec_tokens_total = 0
@@ -255,7 +261,6 @@ class Engine:
         if outcome is Outcome.CRASH and not self.scheduler_dead:
             self.scheduler_died()
             self.log.tp(0, tracebacks.SEED_INCIDENT)
-            self.log.info(tracebacks.SIGQUIT_FROM_CHILD)
             self._on_fatal()
         if self.scheduler_dead:
             await _forever()  # nothing is left to answer; the connection dies with the process
@@ -263,7 +268,7 @@ class Engine:
         self.running.add(rid)
         start = time.monotonic()
         try:
-            self.prompt_tokens_total += prompt_tokens
+            self.realtime_prefill_tokens += prompt_tokens
             self.log.tp(
                 0,
                 f"Prefill batch, #new-seq: 1, #new-token: {prompt_tokens}, #cached-token: 0, "
@@ -274,6 +279,9 @@ class Engine:
             await self._produce(n, outcome is Outcome.SLOW)
         finally:
             self.running.discard(rid)
+        # The tokenizer manager counts a request when it finishes (tokenizer_manager.py:3261).
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += n
         spec = None
         if self.args.speculative:
             spec = spec_for(n, self.args.speculative_num_draft_tokens or 1)
@@ -328,19 +336,19 @@ class Engine:
     def _count(self, tokens: int) -> None:
         if tokens <= 0:
             return
-        before = self.generation_tokens_total
-        self.generation_tokens_total += tokens
+        before = self.realtime_decode_tokens
+        self.realtime_decode_tokens += tokens
         now = time.monotonic()
         self._recent.append((now, tokens))
         while self._recent and self._recent[0][0] < now - 1.0:
             self._recent.popleft()
         # Like SGLang's gauge, this is set while decoding and keeps its last value when idle.
         self.gen_throughput = float(sum(t for _, t in self._recent))
-        if before // DECODE_LOG_INTERVAL != self.generation_tokens_total // DECODE_LOG_INTERVAL:
+        if before // DECODE_LOG_INTERVAL != self.realtime_decode_tokens // DECODE_LOG_INTERVAL:
             self.log.tp(
                 0,
                 f"Decode batch, #running-req: {len(self.running)}, "
-                f"#token: {self.generation_tokens_total}, token usage: 0.01, cuda graph: True, "
+                f"#token: {self.realtime_decode_tokens}, token usage: 0.01, cuda graph: True, "
                 f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: 0",
             )
 

@@ -69,6 +69,8 @@ class Settings:
     # tokenizer_manager.py sigterm_watchdog).
     health_check_timeout: float = 20.0
     force_shutdown: bool = False
+    # sglang/srt/managers/scheduler.py:6376: a scheduler exception SIGKILLs the process group.
+    killpg_on_scheduler_exception: bool = False
 
     def has(self, fault: str) -> bool:
         return fault in self.faults
@@ -133,6 +135,7 @@ def from_environ(env: Mapping[str, str], launch: int) -> Settings:
             env, "SGLANG_HEALTH_CHECK_TIMEOUT", float, d.health_check_timeout
         ),
         force_shutdown=_flag(env, "SGL_FORCE_SHUTDOWN"),
+        killpg_on_scheduler_exception=_flag(env, "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"),
     )
 
 

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from multiprocessing import resource_tracker
 from typing import NoReturn
 
 from aiohttp import web
@@ -26,7 +27,7 @@ from supervisor.standin import faults as f
 from supervisor.standin import tracebacks
 from supervisor.standin.api import CONTEXT_LEN, MAX_TOTAL_NUM_TOKENS, VERSION, Api
 from supervisor.standin.args import ServerArgs, parse_args
-from supervisor.standin.children import ChildOptions, Children, Death
+from supervisor.standin.children import DETOKENIZER, ChildOptions, Children, Death
 from supervisor.standin.engine import Engine, Status
 from supervisor.standin.faults import Settings, SettingsError
 from supervisor.standin.logs import Log
@@ -37,6 +38,8 @@ _WATCH_SECONDS = 0.2
 # SGLang's sigterm_watchdog reports the remaining requests every 5 s while it drains.
 _DRAIN_REPORT_SECONDS = 5.0
 _DRAIN_POLL_SECONDS = 0.05
+# tokenizer_manager.py:3480-3485: "Sleeping 5 seconds before crash diagnostics".
+_CRASH_DIAGNOSTICS_SECONDS = 5.0
 
 SIGTERM, SIGINT, CHILD_DIED, EXIT_AFTER, FATAL = (
     "SIGTERM",
@@ -99,11 +102,21 @@ class Server:
         self.children.kill_all()
         os._exit(code)
 
+    def _kill_tree(self) -> NoReturn:
+        """kill_process_tree(os.getpid()): the children, then itself, by SIGKILL (exit 137)."""
+        self.log.info(tracebacks.kill_process_tree(os.getpid()))
+        self.children.kill_all()
+        os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(137)  # not reached
+
     # -- start-up -------------------------------------------------------------------------
 
     async def run(self) -> NoReturn:
         self._install_signals()
         self._log_start()
+        # Python's multiprocessing starts its resource tracker with SGLang's first child; it
+        # shows as `python -c from multiprocessing.resource_tracker import main;main(N)`.
+        resource_tracker.ensure_running()
         self.children.spawn(
             self.args.tp_size,
             ChildOptions(
@@ -153,8 +166,8 @@ class Server:
         if event == CHILD_DIED:
             # engine._launch_subprocesses: the pipe from a dead scheduler hits EOF.
             for death in self._deaths:
-                rank = death.role.removeprefix("sglang::scheduler_TP")
-                what = "Detokenizer" if rank == death.role else f"Rank {rank} scheduler"
+                rank = death.role.removeprefix("sglang::scheduler").removeprefix("_TP") or "0"
+                what = "Detokenizer" if death.role == DETOKENIZER else f"Rank {rank} scheduler"
                 self.log.info(f"{what} is dead. Please check if there are relevant logs.")
                 self.log.info(f"Exit code: {death.returncode}")
             self._exit(1)
@@ -249,13 +262,13 @@ class Server:
         return runner
 
     async def _warmup(self) -> None:
-        """http_server._execute_server_warmup: /get_model_info, then an 8-token /generate.
+        """http_server._execute_server_warmup: /model_info, then an 8-token /generate.
 
         It runs inside the process: the stand-in's faults are for its clients, and the seed
         incident's server passed SGLang's warmup too.
         """
         await self._at(time.monotonic() + self.settings.warmup_seconds)
-        self.log.access("127.0.0.1:40000", "GET", "/get_model_info", 200, "OK")
+        self.log.access("127.0.0.1:40000", "GET", "/model_info", 200, "OK")
         with self.engine.request() as rid:
             await self.engine.decode(rid, "The capital city of France is", 6, 8, internal=True)
         self.log.access("127.0.0.1:40000", "POST", "/generate", 200, "OK")
@@ -293,14 +306,18 @@ class Server:
             )
             self._exit(self.settings.exit_code)
         elif event == CHILD_DIED:
-            for death in self._deaths:
-                self.log.warning(
-                    "engine.py:1702",
-                    f"Child process unexpectedly failed with an "
-                    f"exit code {death.returncode}. pid={death.pid}",
-                )
+            crashed = [d for d in self._deaths if d.returncode != 0]
             self._deaths.clear()
             self.engine.scheduler_died()
+            if crashed:
+                # utils/watchdog.py:203-221: the subprocess watchdog SIGQUITs the main process.
+                death = crashed[0]
+                self.log.info(
+                    tracebacks.subprocess_crashed(
+                        _watchdog_name(death.role), death.pid, death.returncode
+                    )
+                )
+                await self._sigquit(diagnostics=_CRASH_DIAGNOSTICS_SECONDS)
 
     def _drain_step(self) -> None:
         """tokenizer_manager.sigterm_watchdog, one turn."""
@@ -322,13 +339,39 @@ class Server:
             self._exit(0)
 
     async def _die_after_crash(self) -> NoReturn:
-        """After a scheduler's fatal error SGLang spends about a minute on py-spy and CUDA
-        coredump steps before its tree is gone; SIGTERM or SIGINT cut that short."""
-        deadline = time.monotonic() + self.settings.crash_sleep_seconds
+        """A scheduler raised (run_scheduler_process, scheduler.py:6370-6380).
+
+        With SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1 the scheduler SIGKILLs the whole process
+        group at once: the main process dies by signal 9, with no crash-dump phase. Without it
+        the scheduler SIGQUITs the main process, which on a GPU host spends about a minute on
+        py-spy and CUDA coredump steps (STANDIN_CRASH_SLEEP_SECONDS) and then SIGKILLs its own
+        tree; SIGTERM or SIGINT cut that short here.
+        """
+        if self.settings.killpg_on_scheduler_exception:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        await self._sigquit(diagnostics=self.settings.crash_sleep_seconds)
+
+    async def _sigquit(self, diagnostics: float) -> NoReturn:
+        """running_phase_sigquit_handler: dump, wait `diagnostics` seconds, kill the tree.
+
+        Meanwhile nothing answers: SGLang's handler blocks its event loop in time.sleep.
+        """
+        self.log.info(tracebacks.SIGQUIT_RUNNING)
+        self.log.info(tracebacks.CRASH_DIAGNOSTICS)
+        deadline = time.monotonic() + diagnostics
         while (left := deadline - time.monotonic()) > 0:
             if await self._pause(left) in (SIGTERM, SIGINT):
                 break
-        self._exit(1)
+        if all(role == DETOKENIZER for role in self.children.alive()):
+            self.log.info(tracebacks.NO_LIVE_SCHEDULERS)
+        self._kill_tree()
+
+
+def _watchdog_name(role: str) -> str:
+    """engine.py:1312-1365: SubprocessWatchdog names its processes scheduler_<i>, detokenizer."""
+    if role == DETOKENIZER:
+        return "detokenizer"
+    return f"scheduler_{role.removeprefix('sglang::scheduler').removeprefix('_TP') or '0'}"
 
 
 def _mmss(seconds: float) -> str:
@@ -338,7 +381,7 @@ def _mmss(seconds: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    log = Log()
+    log = Log(tp_size=args.tp_size)
     try:
         launch = f.next_launch(os.environ.get("STANDIN_LAUNCH_COUNTER"))
         settings = f.from_environ(os.environ, launch)

@@ -9,7 +9,27 @@ the ones named in the incident are illustrative: file names are SGLang's, line n
 
 _SRT = "/opt/sglang/python/sglang/srt"
 
+# While launching (sglang/srt/entrypoints/engine.py:1976, launch_phase_sigquit_handler).
 SIGQUIT_FROM_CHILD = "Received sigquit from a child process. It usually means the child failed."
+# Once running (sglang/srt/managers/tokenizer_manager.py:4072, running_phase_sigquit_handler),
+# then dump_requests_before_crash (tokenizer_manager.py:3480-3502) and kill_process_tree.
+SIGQUIT_RUNNING = "SIGQUIT received. signum=None, frame=None. It usually means one child failed."
+CRASH_DIAGNOSTICS = "Sleeping 5 seconds before crash diagnostics to let GPU activity settle."
+NO_LIVE_SCHEDULERS = "No live scheduler processes found; skipping py-spy and CUDA coredump."
+
+
+def subprocess_crashed(name: str, pid: int, exitcode: int) -> str:
+    """sglang/srt/utils/watchdog.py:217, SubprocessWatchdog._check_processes."""
+    return (
+        f"Subprocess {name} (pid={pid}) crashed with exit code {exitcode}. "
+        "Triggering SIGQUIT for cleanup..."
+    )
+
+
+def kill_process_tree(pid: int) -> str:
+    """sglang/srt/utils/common.py, kill_process_tree's first log line."""
+    return f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}"
+
 
 # The seed incident (docs/standin.md): the EAGLE v2 worker's constructor had failed part-way,
 # so the first real decode reached line 702 of eagle_worker_v2.py without the attribute.

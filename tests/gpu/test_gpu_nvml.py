@@ -148,7 +148,10 @@ def test_real_pynvml_without_a_driver_is_a_clear_error(monkeypatch: pytest.Monke
 
 def test_gpus_of_reads_scheduler_titles_and_markers() -> None:
     assert gpus_of(["python", "x.py", "sglang::scheduler_TP3"]) == {3}
-    assert gpus_of(["sglang::scheduler_TP3", "more"]) == set()
+    # After setproctitle the title is the first argument and the rest of argv is blank.
+    assert gpus_of(["sglang::scheduler_TP3", "", ""]) == {3}
+    assert gpus_of(["sglang::scheduler"]) == {0}
+    assert gpus_of(["python", "sglang::scheduler_TP3", "more"]) == set()
     assert gpus_of(["x", "--sim-gpu", "0", "--sim-gpu", "2"]) == {0, 2}
     assert gpus_of(["x", "--sim-gpu"]) == set()
     assert gpus_of([]) == set()

@@ -15,7 +15,7 @@ from supervisor.config import Config, parse
 from testkit import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILD_TIMEOUT = 900.0  # a fresh machine downloads ~1 GB; a built environment returns at once
+BUILD_TIMEOUT = 1200.0  # a fresh machine installs ~6 GB; a built environment returns at once
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -27,21 +27,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
-    """The interpreter of .sglang-venv (SGLang 0.5.23 on CPU torch), built if needed."""
+    """The interpreter of the SGLang 0.5.23 environment (tools/sglang-env), built if needed."""
     if os.environ.get("KIMI_SERVE_SKIP_SGLANG_ENV") == "1":
         pytest.skip(
             "KIMI_SERVE_SKIP_SGLANG_ENV=1: SGLang's real parser is not available "
-            "(tools/sglang-cpu-env builds it; CI always does)"
+            "(tools/sglang-env builds it; CI always does)"
         )
     proc = subprocess.run(
-        [str(REPO_ROOT / "tools" / "sglang-cpu-env")],
+        [str(REPO_ROOT / "tools" / "sglang-env")],
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT,
         check=False,
     )
     if proc.returncode != 0:
-        pytest.fail(f"tools/sglang-cpu-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail(f"tools/sglang-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout.strip().splitlines()[-1]
 
 

@@ -1,4 +1,4 @@
-"""Preflight against SGLang 0.5.23's real argument parser (tools/sglang-cpu-env).
+"""Preflight against SGLang 0.5.23's real argument parser (tools/sglang-env).
 
 These are the incident's failures, caught in seconds instead of after a 10-minute load.
 """

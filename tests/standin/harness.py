@@ -147,12 +147,14 @@ class Standin:
     # -- processes ------------------------------------------------------------------------
 
     def children(self) -> list[psutil.Process]:
-        """The stand-in's scheduler and detokenizer children, by their argv title."""
+        """The stand-in's scheduler and detokenizer children, by their title: the first argv
+        element once set (setproctitle), the last one while a child starts (or an orphan)."""
         found = []
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    if child.cmdline()[-1:] and child.cmdline()[-1].startswith("sglang::"):
+                    cmdline = child.cmdline()
+                    if any(a.startswith("sglang::") for a in {*cmdline[:1], *cmdline[-1:]}):
                         found.append(child)
         for child in found:
             if all(child.pid != k.pid for k in self.known_children):
@@ -208,12 +210,13 @@ class Standin:
             timeout,
         )
 
-    def metric(self, name: str) -> float:
-        """The value of the one sample of `name` (labels ignored)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the first sample of `name` carrying `labels` (other labels ignored)."""
         for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            named = line.startswith(name + "{") or line.startswith(name + " ")
+            if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} not in /metrics")
+        raise AssertionError(f"{name} {labels} not in /metrics")
 
     def port_open(self) -> bool:
         with socket.socket() as s:

@@ -221,13 +221,15 @@ def test_metrics_text_names_and_labels() -> None:
     engine._count(7)
     engine._observe_ttft(0.03)
     text = render(engine)
-    assert (
-        'sglang:num_running_reqs{model_name="kimi",engine_type="unified",tp_rank="0",'
-        'pp_rank="0"} 0.0' in text
-    )
-    assert 'sglang:generation_tokens_total{model_name="kimi"} 7.0' in text
+    sched = 'engine_type="unified",model_name="kimi",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    tok = 'engine_type="unified",is_streaming="false",model_name="kimi"'
+    assert f"sglang:num_running_reqs{{{sched}}} 0.0" in text
+    assert f'sglang:realtime_tokens_total{{{sched},mode="decode"}} 7.0' in text
+    assert "# TYPE sglang:realtime_tokens_total counter" in text
+    # Nothing finished yet: the tokenizer manager's counter has not moved.
+    assert f"sglang:generation_tokens_total{{{tok}}} 0.0" in text
     assert "# TYPE sglang:generation_tokens_total counter" in text
-    assert 'sglang:time_to_first_token_seconds_bucket{le="0.02",model_name="kimi"} 0.0' in text
-    assert 'sglang:time_to_first_token_seconds_bucket{le="0.04",model_name="kimi"} 1.0' in text
-    assert 'sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="kimi"} 1.0' in text
+    assert f'sglang:time_to_first_token_seconds_bucket{{{tok},le="0.02"}} 0.0' in text
+    assert f'sglang:time_to_first_token_seconds_bucket{{{tok},le="0.04"}} 1.0' in text
+    assert f'sglang:time_to_first_token_seconds_bucket{{{tok},le="+Inf"}} 1.0' in text
     assert text.endswith("\n")

@@ -1,0 +1,202 @@
+"""Start a real SGLang 0.5.23 server on this CPU-only machine, for tests.
+
+`tools/sglang-env` builds the environment (real SGLang, stock torch, a tiny random Llama);
+this module starts `python -m sglang.launch_server` on a free port with the flags and
+environment that make it serve on a CPU (docs/realsglang.md), its output going to a log
+file, and waits for SGLang's own ready line. Each start costs 20-35 s on two cores: share one
+server per module or session (tests/conformance/conftest.py does).
+
+`KIMI_TEST_FAULT=decode-attributeerror` in `env` makes the real scheduler raise the seed
+incident's AttributeError on its first decode batch after the warmup
+(tests/realsglang/faulthook/sitecustomize.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STUB_DIR = REPO_ROOT / "tools" / "sglang-env.d"
+FAULT_HOOK_DIR = Path(__file__).resolve().parent / "faulthook"
+READY_LINE = "The server is fired up and ready to roll!"
+BUILD_TIMEOUT = 1200.0  # a fresh machine installs ~6 GB; a built environment answers at once
+START_TIMEOUT = 180.0
+SERVER_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--max-total-tokens",
+    "16384",
+    "--sleep-on-idle",
+    "--enable-metrics",
+    "--tp-size",
+    "1",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangEnv:
+    python: str
+    model: str
+
+
+def build_env() -> SGLangEnv:
+    """The built environment (tools/sglang-env; SGLANG_ENV_DIR chooses where), or a skip."""
+    if os.environ.get("KIMI_SERVE_SKIP_SGLANG_ENV") == "1":
+        pytest.skip("KIMI_SERVE_SKIP_SGLANG_ENV=1: real SGLang is not available here")
+    out = []
+    for flag in ([], ["--model"]):
+        proc = subprocess.run(
+            [str(REPO_ROOT / "tools" / "sglang-env"), *flag],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT,
+            check=False,
+        )
+        if proc.returncode != 0:
+            pytest.fail(f"tools/sglang-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        out.append(proc.stdout.strip().splitlines()[-1])
+    return SGLangEnv(python=out[0], model=out[1])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a real server needs on a CPU, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STANDIN_", "KIMI_TEST_"))}
+    env.update(
+        {
+            # Without it --device cpu is not enough (sglang/srt/utils/common.py:221).
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join([str(STUB_DIR), str(FAULT_HOOK_DIR)]),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def server_argv(sgl: SGLangEnv, port: int, extra: Sequence[str] = ()) -> list[str]:
+    return [
+        sgl.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        sgl.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVER_FLAGS,
+        *extra,
+    ]
+
+
+@dataclasses.dataclass
+class RealServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    started_in: float = 0.0  # launch -> ready line, seconds
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first match of `pattern` in the log, waiting up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while True:
+            m = rx.search(self.log())
+            if m:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{pattern!r} not in the log after {timeout:g} s:\n{self.log()[-3000:]}"
+                )
+            if self.proc.poll() is not None and not rx.search(self.log()):
+                raise AssertionError(
+                    f"server exited {self.proc.returncode} before {pattern!r}:\n"
+                    f"{self.log()[-3000:]}"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGKILL the whole process group (SGLang's children are in it) and reap."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def start(
+    sgl: SGLangEnv,
+    log_path: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+    timeout: float = START_TIMEOUT,
+) -> RealServer:
+    """Launch a real server in its own session and wait for its ready line."""
+    port = free_port()
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            server_argv(sgl, port, args),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(env),
+            cwd=log_path.parent,
+            start_new_session=True,
+        )
+    server = RealServer(proc, port, log_path)
+    try:
+        server.wait_log(re.escape(READY_LINE), timeout)
+    except BaseException:
+        server.stop()
+        raise
+    server.started_in = time.monotonic() - t0
+    return server
+
+
+@contextlib.contextmanager
+def running(
+    sgl: SGLangEnv,
+    log_path: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[RealServer]:
+    server = start(sgl, log_path, env=env, args=args)
+    try:
+        yield server
+    finally:
+        server.stop()
