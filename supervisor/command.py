@@ -107,7 +107,7 @@ def launch_warnings(cfg: Config) -> list[str]:
         if merged_env(cfg, profile).get(SPT_NOENV) != "1":
             where = "sglang.env" if profile == PRIMARY else f"sglang.env / profiles.{profile}.env"
             out.append(
-                f"{cfg.path}: {where} has no {SPT_NOENV}: \"1\" (profile {profile}): "
+                f'{cfg.path}: {where} has no {SPT_NOENV}: "1" (profile {profile}): '
                 "setproctitle in SGLang's schedulers and detokenizer wipes their environment, "
                 "so the owner marker is unreadable there"
             )

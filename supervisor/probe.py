@@ -289,6 +289,8 @@ class Progress:
     running_requests: float | None
     realtime_tokens: float | None = None
     queued_requests: float | None = None
+    # The decode part of realtime_tokens (mode="decode"); the rest is prefill.
+    realtime_decode: float | None = None
 
     @property
     def tokens(self) -> float | None:
@@ -309,6 +311,7 @@ def _add(total: float | None, value: float) -> float:
 def parse_progress(text: str) -> Progress | None:
     """The counters busy detection reads, or None when the text holds none of them."""
     realtime: float | None = None
+    decode: float | None = None
     generation: float | None = None
     running: float | None = None
     queued: float | None = None
@@ -318,6 +321,8 @@ def parse_progress(text: str) -> Progress | None:
                 name = sample.name
                 if name == "sglang:realtime_tokens_total":
                     realtime = _add(realtime, sample.value)
+                    if sample.labels.get("mode") == "decode":
+                        decode = _add(decode, sample.value)
                 elif name == "sglang:generation_tokens_total":
                     generation = _add(generation, sample.value)
                 elif name == "sglang:num_running_reqs":
@@ -328,7 +333,9 @@ def parse_progress(text: str) -> Progress | None:
         return None
     if realtime is None and generation is None:
         return None
-    return Progress(generation, running, realtime, queued)
+    if realtime is not None and decode is None:
+        decode = 0.0
+    return Progress(generation, running, realtime, queued, decode)
 
 
 async def read_progress(
@@ -344,42 +351,60 @@ async def read_progress(
     return parse_progress(r.text)
 
 
-# What the probe itself adds to the realtime counter besides its generated tokens: its prompt
-# (prefill_compute or prefill_cache). A probe prompt is a short sentence in a chat template.
-PROBE_PROMPT_ALLOWANCE = 256
+# What the probe itself adds to the realtime counter besides its generated tokens: its prompt,
+# counted once per probe (prefill_compute, or prefill_cache once the prefix is cached). The
+# default prompt is 21 bytes, 32 tokens at most with a chat template around it. Too large an
+# allowance hides a slow-but-busy server (a CPU decodes ~30-250 tokens/s); too small calls a
+# server busy on the probe's own prefill. `prompt_token_bound()` gives the exact bound for a
+# configured prompt.
+PROBE_PROMPT_ALLOWANCE = 32
+_CHAT_TEMPLATE_TOKENS = 32
 
 
-def token_advance(before: Progress, after: Progress) -> tuple[float, bool] | None:
-    """(tokens processed between the two reads, whether that is the realtime counter).
+def prompt_token_bound(cfg: ProbeConfig) -> int:
+    """An upper bound on the probe prompt's token count: byte-level tokenizers never produce
+    more tokens than bytes; a chat template adds its role markers."""
+    template = _CHAT_TEMPLATE_TOKENS if cfg.endpoint == "chat" else 0
+    return len(cfg.prompt.encode("utf-8")) + template
 
-    The realtime counter when both reads have it, else the generation counter; None when the
-    two reads share neither (nothing can be said).
+
+def _tokens_beyond_own(
+    before: Progress, after: Progress, own_tokens: int, prompt_tokens: int
+) -> bool | None:
+    """Whether the scheduler processed tokens the probe cannot account for; None if unknown.
+
+    With the realtime counter each mode is held against what the probe can add to it: its
+    generated tokens to decode, its prompt to prefill. Else the generation counter (it counts
+    the probe's tokens only if the probe finished, which a timed-out probe did not).
     """
     if before.realtime_tokens is not None and after.realtime_tokens is not None:
-        return after.realtime_tokens - before.realtime_tokens, True
+        decode = (after.realtime_decode or 0.0) - (before.realtime_decode or 0.0)
+        prefill = (after.realtime_tokens - before.realtime_tokens) - decode
+        return decode > own_tokens or prefill > prompt_tokens
     if before.generation_tokens is not None and after.generation_tokens is not None:
-        return after.generation_tokens - before.generation_tokens, False
+        return after.generation_tokens - before.generation_tokens > own_tokens
     return None
 
 
 def is_busy(
-    result: ProbeResult, before: Progress | None, after: Progress | None, own_tokens: int
+    result: ProbeResult,
+    before: Progress | None,
+    after: Progress | None,
+    own_tokens: int,
+    prompt_tokens: int | None = None,
 ) -> bool:
     """A probe that timed out while SGLang kept working for others: loaded, not hung.
 
     Working = the scheduler processed more tokens than the probe itself could account for
-    (its `own_tokens`, and with the realtime counter its prompt too) *and* requests were
-    running or queued at one of the two reads. A hung scheduler leaves its gauges above 0 but
-    its counter flat; an idle one has neither. A wrong answer is never excused as busy.
+    (`own_tokens` generated; with the realtime counter also its prompt, `prompt_tokens`, by
+    default PROBE_PROMPT_ALLOWANCE) *and* requests were running or queued at one of the two
+    reads. A hung scheduler leaves its gauges above 0 but its counter flat; an idle one has
+    neither. A wrong answer is never excused as busy.
     """
     if result.reason != "timeout" or before is None or after is None:
         return False
-    advance = token_advance(before, after)
-    if advance is None:
-        return False
-    delta, realtime = advance
-    own = own_tokens + (PROBE_PROMPT_ALLOWANCE if realtime else 0)
-    if delta <= own:
+    prompt = PROBE_PROMPT_ALLOWANCE if prompt_tokens is None else prompt_tokens
+    if not _tokens_beyond_own(before, after, own_tokens, prompt):
         return False
     work = [w for w in (before.has_work, after.has_work) if w is not None]
     # No gauges at all (an exporter without them): the counter alone decides.

@@ -34,6 +34,7 @@ from supervisor.probe import (
     judge,
     parse_progress,
     probe,
+    prompt_token_bound,
     read_progress,
     request_for,
 )
@@ -884,7 +885,7 @@ sglang:num_running_reqs{{{labels}}} {running}
 sglang:num_queue_reqs{{{labels}}} {queued}
 # HELP sglang:realtime_tokens_total Total number of tokens processed.
 # TYPE sglang:realtime_tokens_total counter
-sglang:realtime_tokens_total{{{labels},mode="prefill_compute"}} 370.0
+sglang:realtime_tokens_total{{{labels},mode="prefill_compute"}} {prefill}
 sglang:realtime_tokens_total{{{labels},mode="decode"}} {decode}
 # HELP sglang:generation_tokens_total Number of generation tokens processed.
 # TYPE sglang:generation_tokens_total counter
@@ -895,13 +896,17 @@ sglang:generation_tokens_total{{engine_type="unified",model_name="m"}} 2008.0
 REAL_LABELS = 'engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
 
 
-def real_metrics(decode: float, running: float = 1.0, queued: float = 0.0) -> str:
-    return REAL_METRICS.format(decode=decode, running=running, queued=queued, labels=REAL_LABELS)
+def real_metrics(
+    decode: float, running: float = 1.0, queued: float = 0.0, prefill: float = 370.0
+) -> str:
+    return REAL_METRICS.format(
+        decode=decode, running=running, queued=queued, prefill=prefill, labels=REAL_LABELS
+    )
 
 
 def test_parse_progress_sums_the_realtime_modes() -> None:
     got = parse_progress(real_metrics(2378.0, running=2.0, queued=4.0))
-    assert got == Progress(2008.0, 2.0, 370.0 + 2378.0, 4.0)
+    assert got == Progress(2008.0, 2.0, 370.0 + 2378.0, 4.0, 2378.0)
     assert got is not None and got.tokens == 2748.0 and got.has_work
 
 
@@ -933,10 +938,36 @@ def test_idle_server_is_not_busy_even_if_the_counter_moved() -> None:
 
 
 def test_the_probes_own_prompt_and_tokens_are_not_busyness_on_the_realtime_counter() -> None:
-    own = 8 + PROBE_PROMPT_ALLOWANCE
+    # Each mode is held against what the probe can add to it: its tokens to decode, its
+    # prompt to prefill.
     before = parse_progress(real_metrics(1000.0))
-    assert not is_busy(TIMED_OUT, before, parse_progress(real_metrics(1000.0 + own)), 8)
-    assert is_busy(TIMED_OUT, before, parse_progress(real_metrics(1000.0 + own + 1)), 8)
+    own_decode = parse_progress(real_metrics(1008.0, prefill=370.0 + PROBE_PROMPT_ALLOWANCE))
+    assert not is_busy(TIMED_OUT, before, own_decode, 8)
+    assert is_busy(TIMED_OUT, before, parse_progress(real_metrics(1009.0)), 8)
+    more_prefill = real_metrics(1000.0, prefill=370.0 + PROBE_PROMPT_ALLOWANCE + 1)
+    assert is_busy(TIMED_OUT, before, parse_progress(more_prefill), 8)
+
+
+def test_a_slow_decode_for_others_is_busy() -> None:
+    # Measured on a loaded 2-core machine: ~30 tokens/s for two running requests, ~60 in a
+    # 2 s probe window: far more than the probe's own 8, though less than 8 + its prompt.
+    before = parse_progress(real_metrics(6954.0, running=2.0, queued=4.0))
+    after = parse_progress(real_metrics(7012.0, running=2.0, queued=4.0))
+    assert is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_prompt_token_bound_follows_the_configured_prompt() -> None:
+    gen_cfg = with_(GENERATE, prompt="Say hello in one word")
+    assert prompt_token_bound(gen_cfg) == 21 <= PROBE_PROMPT_ALLOWANCE
+    chat = with_(GENERATE, endpoint="chat", prompt="Say hello in one word")
+    assert prompt_token_bound(chat) == 21 + 32
+    long = with_(GENERATE, prompt="é" * 100)
+    assert prompt_token_bound(long) == 200
+    # A long prompt's own prefill is not busyness.
+    before = parse_progress(real_metrics(1000.0))
+    after = parse_progress(real_metrics(1008.0, prefill=370.0 + 200))
+    assert is_busy(TIMED_OUT, before, after, 8)  # the default allowance is smaller
+    assert not is_busy(TIMED_OUT, before, after, 8, prompt_tokens=prompt_token_bound(long))
 
 
 def test_generation_counter_is_only_the_fallback() -> None:
