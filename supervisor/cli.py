@@ -39,9 +39,13 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import command
+
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
+    for warning in command.launch_warnings(cfg):
+        print(f"warning: {warning}", file=err)
     print("ok", file=out)
     return EX_OK
 

@@ -91,3 +91,24 @@ def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
         env=merged_env(cfg, profile),
         args={k: v for k, v in args.items() if v is not None and v is not False},
     )
+
+
+# setproctitle, which SGLang's schedulers and detokenizer call, reuses the memory behind
+# /proc/PID/environ unless this is set: their environment (our owner marker with it) then reads
+# as empty (docs/sglang.md). Ownership does not depend on it (launch record, session), but
+# `gpu-clean` and an operator's `ps e` read better with it.
+SPT_NOENV = "SPT_NOENV"
+
+
+def launch_warnings(cfg: Config) -> list[str]:
+    """Things worth fixing in a valid config: one line each, naming the key."""
+    out = []
+    for profile in cfg.profile_names:
+        if merged_env(cfg, profile).get(SPT_NOENV) != "1":
+            where = "sglang.env" if profile == PRIMARY else f"sglang.env / profiles.{profile}.env"
+            out.append(
+                f'{cfg.path}: {where} has no {SPT_NOENV}: "1" (profile {profile}): '
+                "setproctitle in SGLang's schedulers and detokenizer wipes their environment, "
+                "so the owner marker is unreadable there"
+            )
+    return out

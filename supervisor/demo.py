@@ -79,6 +79,8 @@ def write_config(workdir: Path, fault: str | None, load_seconds: float) -> Path:
         # As real SGLang does after a scheduler exception (py-spy, core dump); the daemon does
         # not wait for it: it acts on the traceback in the log.
         "STANDIN_CRASH_SLEEP_SECONDS": "65",
+        # As in the shipped config: keeps /proc/PID/environ readable after setproctitle.
+        "SPT_NOENV": "1",
     }
     if fault:
         env["STANDIN_FAULT"] = fault

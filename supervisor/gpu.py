@@ -30,10 +30,12 @@ import psutil
 from supervisor import signals
 from supervisor.config import Config, GpusConfig
 from supervisor.identity import (
+    CREATE_TIME_SLACK,
     OWNER_ENV,
     ProcessIdentity,
     RecordStore,
     descendants,
+    launch_leader,
     live_process,
     owner_marker,
     same_start,
@@ -69,6 +71,10 @@ class ProcFacts:
     status: str  # psutil.STATUS_*: "running", "sleeping", "disk-sleep", "zombie", ...
     ppid: int | None
     owner: str | None = None  # the KIMI_SERVE_OWNER marker every process we launch inherits
+    # Session and process group ids: a launch's main process leads both (start_new_session),
+    # and they survive setproctitle wiping the marker from a worker's environment.
+    sid: int | None = None
+    pgid: int | None = None
 
 
 def gather_facts(pids: Iterable[int]) -> dict[int, ProcFacts]:
@@ -91,9 +97,14 @@ def gather_facts(pids: Iterable[int]) -> dict[int, ProcFacts]:
                     username = proc.username()
                 with contextlib.suppress(psutil.AccessDenied, psutil.ZombieProcess, OSError):
                     owner = proc.environ().get(OWNER_ENV)
+                sid = pgid = None
+                with contextlib.suppress(OSError):
+                    sid, pgid = os.getsid(pid), os.getpgid(pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
             continue
-        out[pid] = ProcFacts(pid, create_time, cmdline, uid, username, status, ppid, owner)
+        out[pid] = ProcFacts(
+            pid, create_time, cmdline, uid, username, status, ppid, owner, sid, pgid
+        )
     return out
 
 
@@ -156,13 +167,15 @@ def _decide(
     match: tuple[str, ...],
     daemon_uid: int,
     owner: str | None,
+    session: int | None = None,
 ) -> tuple[Kind, bool, str]:
     joined = " ".join(f.cmdline)
     hit = next((m for m in match if m in joined), None)
     other_daemon = owner is not None and f.owner is not None and f.owner != owner
     mine = owner is not None and f.owner == owner
     matched_mine = hit is not None and f.uid == daemon_uid and not other_daemon
-    ours = current or recorded or mine or matched_mine
+    in_launch = session is not None
+    ours = current or recorded or in_launch or mine or matched_mine
     if current:
         return Kind.CURRENT, True, "the daemon's current launch"
     if f.status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
@@ -171,6 +184,12 @@ def _decide(
         return Kind.STUCK, ours, "in uninterruptible sleep (D state): no signal reaches it"
     if recorded:
         return Kind.LEFTOVER, True, "recorded by an earlier launch of this daemon"
+    if in_launch:
+        return (
+            Kind.LEFTOVER,
+            True,
+            f"in the process session of an earlier launch of this daemon (session {session})",
+        )
     if mine:
         return Kind.LEFTOVER, True, f"carries this daemon's {OWNER_ENV} marker"
     if other_daemon:
@@ -187,6 +206,29 @@ def _decide(
     return Kind.FOREIGN, False, "not launched by this daemon and does not match gpus.match"
 
 
+def _session_leader(
+    recorded: set[ProcessIdentity], facts: Mapping[int, ProcFacts]
+) -> ProcessIdentity | None:
+    """The recorded launch's main process, if its pid can still name the launch's session:
+    alive as the recorded process, or gone (a pid that names a session is not reused)."""
+    leader = launch_leader(recorded)
+    if leader is None:
+        return None
+    now = facts.get(leader.pid)
+    if now is not None and not same_start(leader.create_time, now.create_time):
+        return None  # the pid names another process now
+    return leader
+
+
+def _in_session(f: ProcFacts, leader: ProcessIdentity | None) -> int | None:
+    """The session id when `f` belongs to the recorded launch's session or process group."""
+    if leader is None or f.pid == leader.pid or leader.pid not in (f.sid, f.pgid):
+        return None
+    if f.create_time + CREATE_TIME_SLACK < leader.create_time:
+        return None  # older than the launch: cannot be one of its processes
+    return leader.pid
+
+
 def classify(
     snapshots: Sequence[GpuSnapshot],
     facts: Mapping[int, ProcFacts],
@@ -201,10 +243,12 @@ def classify(
     """What each process on the given GPUs (and each recorded one still alive) is.
 
     Policy, in order: the current launch is left alone; a zombie holds nothing; D state is
-    stuck; a recorded (pid, create time) or our owner marker is ours whatever its command line
-    says; another daemon's marker is foreign; a `match` hit is ours only under the daemon's own
-    uid (never kill someone else's); everything else is foreign. A GPU that holds more than
-    `threshold_bytes` with no process listed, or lists a pid no one can see, is wedged.
+    stuck; a recorded (pid, create time), a member of the recorded launch's session (its main
+    process leads it; this survives setproctitle wiping a worker's environment), or our owner
+    marker is ours whatever its command line says; another daemon's marker is foreign; a
+    `match` hit is ours only under the daemon's own uid (never kill someone else's);
+    everything else is foreign. A GPU that holds more than `threshold_bytes` with no process
+    listed, or lists a pid no one can see, is wedged.
     """
     on_gpu: dict[int, list[tuple[int, int | None]]] = {}
     out: list[Classified] = []
@@ -224,6 +268,7 @@ def classify(
             )
     current = _start_times(ours_current)
     recorded = _start_times(ours_recorded)
+    leader = _session_leader(ours_recorded, facts)
     for pid in sorted(set(on_gpu) | set(recorded)):
         held = on_gpu.get(pid, [])
         gpus = tuple(g for g, _ in held)
@@ -253,6 +298,7 @@ def classify(
             match=match,
             daemon_uid=daemon_uid,
             owner=owner,
+            session=_in_session(f, leader),
         )
         found_by = ""
         if ours and kind is not Kind.CURRENT:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,6 +93,61 @@ def descendants(pid: int) -> list[ProcessIdentity]:
     return out
 
 
+def launch_leader(processes: Iterable[ProcessIdentity]) -> ProcessIdentity | None:
+    """The SGLang main process of a recorded launch: the first one created.
+
+    It is started in a session of its own (`start_new_session`), so its pid is the session id
+    and the process group id of every process of the launch; every other one is its descendant,
+    created after it.
+    """
+    return min(processes, key=lambda i: (i.create_time, i.pid), default=None)
+
+
+def leader_still_names_session(leader: ProcessIdentity) -> bool:
+    """Whether a session (or group) with id `leader.pid` can still be the launch's.
+
+    True while the leader is alive and is the recorded process, and once it is gone altogether:
+    Linux does not hand out a pid that still names a session or process group, so members left
+    behind keep it ours. False when the pid now names another process (it was reused after the
+    whole session was gone).
+    """
+    try:
+        proc = psutil.Process(leader.pid)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+    return leader.matches(proc)
+
+
+def session_members(leader: ProcessIdentity) -> list[ProcessIdentity]:
+    """Live processes in the session or process group of a launch's main process.
+
+    Evidence of ownership that needs no environment marker: setproctitle in SGLang's
+    schedulers and detokenizer wipes /proc/PID/environ unless SPT_NOENV=1 (docs/sglang.md).
+    """
+    if not leader_still_names_session(leader):
+        return []
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        pid = proc.pid
+        if pid == os.getpid():
+            continue
+        try:
+            if leader.pid not in (os.getsid(pid), os.getpgid(pid)):
+                continue
+            with proc.oneshot():
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                created = proc.create_time()
+        except (OSError, psutil.Error):
+            continue
+        # A member is created after its session's leader.
+        if created + CREATE_TIME_SLACK >= leader.create_time:
+            found.append(ProcessIdentity(pid, created))
+    return found
+
+
 @dataclass(frozen=True)
 class LaunchRecord:
     """What one daemon launched: the SGLang main process and every descendant seen."""
@@ -99,6 +155,11 @@ class LaunchRecord:
     daemon_pid: int
     profile: str
     processes: tuple[ProcessIdentity, ...]
+
+    @property
+    def leader(self) -> ProcessIdentity | None:
+        """The launch's main process (session leader); see launch_leader()."""
+        return launch_leader(self.processes)
 
     def to_json(self) -> str:
         return json.dumps(

@@ -24,6 +24,10 @@ _EXCEPTION_LINE = re.compile(
     r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?(?=[A-Z])\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
 )
 
+# SGLang's soft watchdog prints the hard watchdog's text with `soft=True` and only dumps state
+# (`utils/watchdog.py:152-163`, 0.5.23): whatever the configured patterns say, it never restarts.
+_NEVER_FATAL = re.compile(r"watchdog timeout \(.*\bsoft=True\b")
+
 # (level, substrings one of which must occur, the regex that confirms it). The substring test
 # runs first: it is ten times cheaper than a regex that starts with \b, and most lines fail it.
 _LEVEL_WORDS = (
@@ -94,6 +98,8 @@ class LogScanner:
             return NOTHING
         if READY_LINE in line:
             return LineVerdict(ready=True)
+        if "soft=True" in line and _NEVER_FATAL.search(line):
+            return NOTHING
         for pattern in self._fatal:
             if pattern.search(line):
                 if _TRACEBACK_START.search(line):
@@ -103,6 +109,11 @@ class LogScanner:
                 self.evidence = line.strip()
                 return LineVerdict(fatal=pattern.pattern)
         return NOTHING
+
+    @property
+    def pending(self) -> bool:
+        """A traceback has started and its exception line has not arrived yet."""
+        return self._pending is not None
 
     def settle(self) -> str | None:
         """The settle timer ran out: a pending traceback counts as fatal now."""

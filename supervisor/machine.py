@@ -24,7 +24,7 @@ Launched             .    .    LOAD .    .    .    .    .    .    .    .
 LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
 PortOpen             .    .    .    WARM .    .    .    .    .    .    .
 ReadyLine            .    .    .    WARM .    .    .    .    .    .    .
-FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR .    .    .    .
+FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR =    .    .    .
 ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR .    .    .    .
 ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
 ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
@@ -196,14 +196,22 @@ class ProbeDone:
     launch: int
     kind: ProbeKind
     result: ProbeResult
-    busy: bool = False  # SGLang's generated-token counter advanced meanwhile
+    # SGLang kept working for others meanwhile (its realtime token counter advanced with
+    # requests running or queued; probe.is_busy)
+    busy: bool = False
 
 
 @dataclass(frozen=True)
 class ChildExited:
+    """A process of the launch died: the main process, or (`process` set) one of SGLang's own
+    workers (scheduler, detokenizer, resource tracker). Either way the server cannot serve:
+    real SGLang's main process notices a dead scheduler only after a 5 s sleep, and its HTTP
+    requests hang meanwhile (docs/sglang.md)."""
+
     launch: int
     exit_code: int | None
     signal: int | None
+    process: str = ""  # e.g. "sglang::scheduler (pid 4242)"; "" for the main process
 
 
 @dataclass(frozen=True)
@@ -497,8 +505,12 @@ class Machine:
                 return self._server_up(event, now)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.FATAL_LOG, now, event.line)
+            case FatalLog() if self._current(event.launch) and self._explains_exit():
+                return self._fatal_explains_exit(event, now)
             case ChildExited() if self._current(event.launch) and ctx.state in CHILD_STATES:
-                return self._restart(Reason.EXITED, now, _how(event.exit_code, event.signal))
+                how = _how(event.exit_code, event.signal)
+                detail = f"{event.process} {how}" if event.process else how
+                return self._restart(Reason.EXITED, now, detail)
             case ProbeDone() if self._current(event.launch):
                 ctx.probe_in_flight = False
                 return self._probe_done(event, now)
@@ -694,6 +706,23 @@ class Machine:
         if ctx.child:
             return [*actions, StopChild(ctx.launch, graceful=True)]
         return [*actions, *self._to(State.STOPPED, "no_child", now), Exit(0)]
+
+    def _explains_exit(self) -> bool:
+        # A restart for a death is under way and the old launch is still being stopped (its
+        # pipes are drained before ChildGone): a fatal line read now is why it died.
+        ctx = self.ctx
+        return ctx.state is State.RESTARTING and ctx.child and ctx.pending is Reason.EXITED
+
+    def _fatal_explains_exit(self, event: FatalLog, now: float) -> list[Action]:
+        """A traceback, then death by signal 9: SGLang's scheduler logs its exception and, with
+        SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, SIGKILLs its whole process group at once
+        (managers/scheduler.py:6372-6380). The pidfd can report the death before the pipe
+        delivers the traceback's last line; the restart is the traceback's (`fatal_log`), and
+        the exit is kept as it was."""
+        ctx = self.ctx
+        ctx.pending = Reason.FATAL_LOG
+        ctx.pending_detail = event.line
+        return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
 
     # ------------------------------------------------------------------ restarts
 

@@ -26,6 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import ProbeConfig
 
+# Present in meta_info only when speculative verification ran (docs/sglang.md).
+SPEC_VERIFY_KEY = "spec_verify_ct"
 MAX_BODY_BYTES = 1 << 20  # a probe answer is a few hundred bytes; more is not a probe answer
 # Every `reason` a failed probe can carry (the label of kimi_serve_probe_failures_total).
 FAILURE_REASONS = (
@@ -193,7 +195,7 @@ def judge(
         text = raw_text
         tokens = _int(meta.get("completion_tokens"))
         finish = _finish_type(meta.get("finish_reason"))
-        verify_ct = _int(meta.get("spec_verify_ct"))
+        verify_ct = _int(meta.get(SPEC_VERIFY_KEY))
 
     if tokens is None:
         return _fail("malformed", "completion_tokens is missing or not a number", text=text)
@@ -212,9 +214,16 @@ def judge(
             **common,
         )
     if speculative and endpoint == "generate" and not (verify_ct and verify_ct > 0):
+        # SGLang adds the spec_* keys to meta_info only when verification ran
+        # (managers/tokenizer_manager.py:3149-3172, 0.5.23): absent means none ran, not 0.
+        seen = (
+            "the answer has no spec_verify_ct: no speculative verification ran"
+            if SPEC_VERIFY_KEY not in meta
+            else f"spec_verify_ct is {meta.get(SPEC_VERIFY_KEY)!r}"
+        )
         return _fail(
             "no_speculation",
-            f"speculative decoding is configured but spec_verify_ct is {verify_ct!r}: "
+            f"speculative decoding is configured but {seen}: "
             "the EAGLE draft+verify path did not run",
             **common,
         )
@@ -361,25 +370,68 @@ class ProbeGate:
 
 @dataclass(frozen=True)
 class Progress:
-    """SGLang's own counters, read from its /metrics (needs --enable-metrics)."""
+    """SGLang's own counters, read from its /metrics (needs --enable-metrics).
 
-    generation_tokens: float
-    running_requests: float
+    `realtime_tokens` is `sglang:realtime_tokens_total` summed over its modes (decode,
+    prefill_compute, prefill_cache): the scheduler adds to it on every batch
+    (`managers/scheduler_components/metrics_reporter.py:810,912`, SGLang 0.5.23).
+    `generation_tokens` (`sglang:generation_tokens_total`) moves only when a request finishes,
+    by its whole count (`managers/tokenizer_manager.py:3261`): under long generations it stays
+    flat for minutes, so it is read only where the realtime counter does not exist (older
+    releases, the stand-in). None means "this server does not export it".
+    """
+
+    generation_tokens: float | None
+    running_requests: float | None
+    realtime_tokens: float | None = None
+    queued_requests: float | None = None
+    # The decode part of realtime_tokens (mode="decode"); the rest is prefill.
+    realtime_decode: float | None = None
+
+    @property
+    def tokens(self) -> float | None:
+        return self.realtime_tokens if self.realtime_tokens is not None else self.generation_tokens
+
+    @property
+    def has_work(self) -> bool | None:
+        """Requests running or queued; None when the server exports neither gauge."""
+        if self.running_requests is None and self.queued_requests is None:
+            return None
+        return (self.running_requests or 0.0) + (self.queued_requests or 0.0) > 0
+
+
+def _add(total: float | None, value: float) -> float:
+    return (total or 0.0) + value
 
 
 def parse_progress(text: str) -> Progress | None:
-    tokens: float | None = None
-    running = 0.0
+    """The counters busy detection reads, or None when the text holds none of them."""
+    realtime: float | None = None
+    decode: float | None = None
+    generation: float | None = None
+    running: float | None = None
+    queued: float | None = None
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "sglang:generation_tokens_total":
-                    tokens = (tokens or 0.0) + sample.value
-                elif sample.name == "sglang:num_running_reqs":
-                    running += sample.value
+                name = sample.name
+                if name == "sglang:realtime_tokens_total":
+                    realtime = _add(realtime, sample.value)
+                    if sample.labels.get("mode") == "decode":
+                        decode = _add(decode, sample.value)
+                elif name == "sglang:generation_tokens_total":
+                    generation = _add(generation, sample.value)
+                elif name == "sglang:num_running_reqs":
+                    running = _add(running, sample.value)
+                elif name == "sglang:num_queue_reqs":
+                    queued = _add(queued, sample.value)
     except (ValueError, TypeError, IndexError):
         return None
-    return None if tokens is None else Progress(tokens, running)
+    if realtime is None and generation is None:
+        return None
+    if realtime is not None and decode is None:
+        decode = 0.0
+    return Progress(generation, running, realtime, queued, decode)
 
 
 async def read_progress(
@@ -395,14 +447,64 @@ async def read_progress(
     return parse_progress(r.text)
 
 
+# What the probe itself adds to the realtime counter besides its generated tokens: its prompt,
+# counted once per probe (prefill_compute, or prefill_cache once the prefix is cached). The
+# default prompt is 21 bytes, 32 tokens at most with a chat template around it. Too large an
+# allowance hides a slow-but-busy server (a CPU decodes ~30-250 tokens/s); too small calls a
+# server busy on the probe's own prefill. `prompt_token_bound()` gives the exact bound for a
+# configured prompt.
+PROBE_PROMPT_ALLOWANCE = 32
+_CHAT_TEMPLATE_TOKENS = 32
+
+
+def prompt_token_bound(cfg: ProbeConfig) -> int:
+    """An upper bound on the probe prompt's token count: byte-level tokenizers never produce
+    more tokens than bytes; a chat template adds its role markers."""
+    template = _CHAT_TEMPLATE_TOKENS if cfg.endpoint == "chat" else 0
+    return len(cfg.prompt.encode("utf-8")) + template
+
+
+def _tokens_beyond_own(
+    before: Progress, after: Progress, own_tokens: int, prompt_tokens: int
+) -> bool | None:
+    """Whether the scheduler processed tokens the probe cannot account for; None if unknown.
+
+    With the realtime counter each mode is held against what the probe can add to it: its
+    generated tokens to decode, its prompt to prefill. Else the generation counter (it counts
+    the probe's tokens only if the probe finished, which a timed-out probe did not).
+    """
+    if before.realtime_tokens is not None and after.realtime_tokens is not None:
+        decode = (after.realtime_decode or 0.0) - (before.realtime_decode or 0.0)
+        prefill = (after.realtime_tokens - before.realtime_tokens) - decode
+        return decode > own_tokens or prefill > prompt_tokens
+    if before.generation_tokens is not None and after.generation_tokens is not None:
+        return after.generation_tokens - before.generation_tokens > own_tokens
+    return None
+
+
 def is_busy(
-    result: ProbeResult, before: Progress | None, after: Progress | None, own_tokens: int
+    result: ProbeResult,
+    before: Progress | None,
+    after: Progress | None,
+    own_tokens: int,
+    prompt_tokens: int | None = None,
 ) -> bool:
-    """A probe that timed out while SGLang generated more than the probe itself could have:
-    the server is loaded, not hung. A wrong answer is never excused as busy."""
+    """A probe that timed out while SGLang kept working for others: loaded, not hung.
+
+    Working = the scheduler processed more tokens than the probe itself could account for
+    (`own_tokens` generated; with the realtime counter also its prompt, `prompt_tokens`, by
+    default PROBE_PROMPT_ALLOWANCE) *and* requests were running or queued at one of the two
+    reads. A hung scheduler leaves its gauges above 0 but its counter flat; an idle one has
+    neither. A wrong answer is never excused as busy.
+    """
     if result.reason != "timeout" or before is None or after is None:
         return False
-    return after.generation_tokens - before.generation_tokens > own_tokens
+    prompt = PROBE_PROMPT_ALLOWANCE if prompt_tokens is None else prompt_tokens
+    if not _tokens_beyond_own(before, after, own_tokens, prompt):
+        return False
+    work = [w for w in (before.has_work, after.has_work) if w is not None]
+    # No gauges at all (an exporter without them): the counter alone decides.
+    return not work or any(work)
 
 
 def server_url(host: str, port: int) -> str:

@@ -6,9 +6,15 @@
 - Death is noticed through a pidfd on the event loop: no polling delay, no thread. asyncio's own
   `Process.wait()` is not used because it only returns once every pipe is closed, and SGLang's
   children inherit its stdout: an orphaned scheduler would hide the main process's death.
+- Any SGLang process of the launch dying counts, not only the main one: each recorded worker
+  (scheduler, detokenizer, multiprocessing's resource tracker) gets a pidfd of its own. Real
+  SGLang's main process notices a dead scheduler only after sleeping 5 s, and its HTTP requests
+  hang meanwhile (docs/sglang.md); here the death is reported at once through `on_exit`.
 - Children that escape the group (a child still loading sets PR_SET_PDEATHSIG only later,
-  sglang #23627) are found by their recorded (pid, create time) and by an environment marker
-  every process of ours inherits; both are checked before any signal (`signals.terminate`).
+  sglang #23627) are found by their recorded (pid, create time), by the session of the launch
+  (its main process is the session leader), and by an environment marker every process of ours
+  inherits (which setproctitle wipes in SGLang's workers unless SPT_NOENV=1); identity is
+  checked before any signal.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from supervisor.identity import (
     ProcessIdentity,
     descendants,
     identity_of,
+    launch_leader,
     live_process,
+    session_members,
     signal_identity,
 )
 from supervisor.logscan import Stream
@@ -54,6 +62,51 @@ class ExitInfo:
     # Processes of the launch still alive after SIGKILL: stuck in the kernel (D state, inside
     # the GPU driver). No signal reaches them; relaunching on their GPUs is pointless.
     stuck: tuple[int, ...] = ()
+    # Which process this exit is: "" for the main process, else a worker of SGLang's, e.g.
+    # "sglang::scheduler (pid 4242)".
+    process: str = ""
+
+
+# SGLang's own processes of a launch, by command line: multiprocessing spawn children (before
+# setproctitle runs), the resource tracker, and the titles SGLang sets (`sglang::scheduler`,
+# `sglang::scheduler_TP3`, `sglang::detokenizer`, ...). Not a compiler or nvidia-smi a worker
+# runs for a moment: those exit by design.
+_WORKER_MARKS = ("multiprocessing.spawn", "multiprocessing.resource_tracker", "sglang::")
+
+
+def worker_title(cmdline: list[str]) -> str | None:
+    """A short name for an SGLang worker process, or None if the command line is not one."""
+    joined = " ".join(a for a in cmdline if a)
+    if not any(m in joined for m in _WORKER_MARKS):
+        return None
+    if cmdline and cmdline[0].startswith("sglang::"):
+        return cmdline[0]
+    if "resource_tracker" in joined:
+        return "multiprocessing.resource_tracker"
+    return "multiprocessing.spawn child"
+
+
+def exit_status_of_zombie(pid: int, proc_root: str = "/proc") -> tuple[int | None, int | None]:
+    """(exit code, signal) of a process that is a zombie now, from /proc/PID/stat field 52.
+
+    The exit of a process that is not our child cannot be waited for; until its parent reaps
+    it the kernel still shows it. (None, None) once it is reaped or when it is not a zombie.
+    """
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None, None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    # fields[0] is field 3 (state); field 52 (exit_code, Linux 3.5+) is fields[49].
+    if len(fields) < 50 or fields[0] != "Z" or not fields[49].lstrip("-").isdigit():
+        return None, None
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None, None
 
 
 @dataclass
@@ -65,13 +118,20 @@ class Child:
     identity: ProcessIdentity
     started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
     known: set[ProcessIdentity] = field(default_factory=set)
+    # Set once the main process is reaped.
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     # Set to cut a graceful stop's drain short (a second SIGTERM while draining).
     hurry: asyncio.Event = field(default_factory=asyncio.Event)
     stop_begun: bool = False
     stop_done: bool = False  # every process of the launch gone (or stuck), pipes closed
     pipes_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # How the launch ended: the first of its processes to die (the main one or a worker), as
+    # reported through on_exit. A worker's death while we stop the launch does not count.
     exit: ExitInfo | None = None
+    main_exit: ExitInfo | None = None
+    # Workers watched by a pidfd: identity -> title.
+    watched: dict[ProcessIdentity, str] = field(default_factory=dict)
+    stopping: bool = False
     _open_pipes: int = 2
 
     @property
@@ -79,7 +139,11 @@ class Child:
         return self.popen.pid
 
     def alive(self) -> bool:
+        """Every watched process of the launch is still there."""
         return self.exit is None
+
+    def main_alive(self) -> bool:
+        return not self.exited.is_set()
 
 
 async def wait_port_open(host: str, port: int, interval: float = 0.1) -> None:
@@ -177,6 +241,7 @@ class ProcessOwner:
         self.sink = sink
         self.on_exit = on_exit
         self._pumps: dict[int, list[_Pump]] = {}
+        self._worker_fds: dict[int, set[int]] = {}
 
     def bind(self, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
         """Where SGLang's lines and its exit go (the daemon's log pump and its queue)."""
@@ -256,20 +321,84 @@ class ProcessOwner:
 
     def _reaped(self, child: Child) -> None:
         rc = child.popen.returncode
-        child.exit = ExitInfo(
+        child.main_exit = ExitInfo(
             exit_code=rc if rc is not None and rc >= 0 else None,
             signal=-rc if rc is not None and rc < 0 else None,
         )
         child.exited.set()
+        self._launch_ended(child, child.main_exit)
+
+    def _launch_ended(self, child: Child, info: ExitInfo) -> None:
+        # One report per launch: the first death is the one that explains the restart.
+        if child.exit is not None:
+            return
+        child.exit = info
         self.on_exit(child)
 
+    def _watch_worker(self, child: Child, ident: ProcessIdentity, title: str) -> None:
+        """A pidfd on one of SGLang's worker processes: its death ends the launch at once."""
+        try:
+            pidfd = os.pidfd_open(ident.pid)
+        except OSError:
+            return  # already gone (the main process will follow), or no pidfd: main only
+        if live_process(ident) is None:  # the pid was reused before the pidfd was opened
+            os.close(pidfd)
+            return
+        loop = asyncio.get_running_loop()
+        child.watched[ident] = title
+
+        fds = self._worker_fds.setdefault(child.launch, set())
+
+        def readable() -> None:
+            fds.discard(pidfd)
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self._worker_died(child, ident, title)
+
+        loop.add_reader(pidfd, readable)
+        fds.add(pidfd)
+
+    def _worker_died(self, child: Child, ident: ProcessIdentity, title: str) -> None:
+        if child.stopping or child.exit is not None:
+            return  # we are stopping it, or its end is already reported
+        code, sig = exit_status_of_zombie(ident.pid)
+        # PR_SET_PDEATHSIG: when the main process dies its workers are killed by the kernel,
+        # after the main is already a zombie. Then the main's death is the one that happened.
+        if child.popen.poll() is not None:
+            if not child.exited.is_set():
+                self._reaped(child)
+            return
+        self._launch_ended(child, ExitInfo(code, sig, process=f"{title} (pid {ident.pid})"))
+
     def refresh_tree(self, child: Child) -> bool:
-        """Record descendants seen now. True if something new was recorded."""
-        if not child.alive():
+        """Record descendants seen now, and watch SGLang's workers among them.
+
+        True if something new was recorded.
+        """
+        if not child.main_alive() or child.stopping:
             return False
         new = set(descendants(child.pid)) - child.known
         child.known |= new
+        if child.exit is None:
+            for ident in sorted(new):
+                title = _title_of(ident)
+                if title is not None:
+                    self._watch_worker(child, ident, title)
         return bool(new)
+
+    def leftovers(self, recorded: Iterable[ProcessIdentity]) -> set[ProcessIdentity]:
+        """Every live process of an earlier launch: the recorded ones, the members of its
+        session (the launch's main process is the session leader), and the marked ones.
+
+        The session is the evidence that survives setproctitle wiping a worker's environment
+        (and with it the owner marker) and a worker that appeared after the record was saved.
+        """
+        recorded = set(recorded)
+        found = {i for i in recorded if live_process(i) is not None}
+        leader = launch_leader(recorded)
+        if leader is not None:
+            found |= set(session_members(leader))
+        return found | set(self.marked_processes())
 
     def marked_processes(self) -> list[ProcessIdentity]:
         """Live processes carrying our owner marker (from any launch, any daemon run)."""
@@ -293,17 +422,21 @@ class ProcessOwner:
         """
         child.stop_begun = True
         self.refresh_tree(child)
-        if graceful and child.alive() and not child.hurry.is_set():
+        # From here on a worker's death is the stop at work, not news.
+        child.stopping = True
+        if graceful and child.main_alive() and not child.hurry.is_set():
             signal_identity(child.identity, signal.SIGTERM)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(drain_timeout):
                     await _first(child.exited, child.hurry)
-        self.refresh_tree(child)
+        if child.main_alive():
+            child.known |= set(descendants(child.pid))
         # The group outlives its leader while members exist, and Linux does not reuse a pid
         # that still names a process group, so this reaches only our launch.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)
-        await self.sweep(child.known | set(self.marked_processes()))
+        members = session_members(child.identity)
+        await self.sweep(child.known | set(members) | set(self.marked_processes()))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(STUCK_AFTER_KILL_S):
                 await child.exited.wait()
@@ -313,11 +446,21 @@ class ProcessOwner:
                 await child.pipes_closed.wait()
         for pump in self._pumps.pop(child.launch, []):
             pump.close()
+        self._close_worker_fds(child.launch)
         stuck = tuple(i.pid for i in self.survivors(child))
         child.stop_done = True
-        if child.exit is None:
+        # The exit as it was: the first death if the launch ended by itself, else the main's.
+        ended = child.exit or child.main_exit
+        if ended is None:
             return ExitInfo(None, None, stuck or (child.pid,))
-        return ExitInfo(child.exit.exit_code, child.exit.signal, stuck)
+        return ExitInfo(ended.exit_code, ended.signal, stuck, ended.process)
+
+    def _close_worker_fds(self, launch: int) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._worker_fds.pop(launch, set()):
+            loop.remove_reader(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     async def sweep(
         self,
@@ -343,3 +486,15 @@ async def _first(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+def _title_of(ident: ProcessIdentity) -> str | None:
+    proc = live_process(ident)
+    if proc is None:
+        return None
+    try:
+        return worker_title(proc.cmdline())
+    except (psutil.Error, OSError):
+        return None
+
+

@@ -43,8 +43,9 @@ def facts(
     start: float = 100.0,
     ppid: int = 1,
     owner: str | None = None,
+    sid: int | None = None,
 ) -> ProcFacts:
-    return ProcFacts(pid, start, cmd, uid, f"user{uid}", status, ppid, owner)
+    return ProcFacts(pid, start, cmd, uid, f"user{uid}", status, ppid, owner, sid, sid)
 
 
 def run(
@@ -160,6 +161,40 @@ def test_owner_marker_decides_before_the_command_line() -> None:
     }
     # Without knowing our own marker, markers are ignored.
     assert run(snaps, known)[10] == (Kind.FOREIGN, False)
+
+
+# A scheduler's environment as psutil reads it without SPT_NOENV=1: setproctitle reused the
+# memory, the marker is gone, the command line is the title alone.
+TITLE_ONLY = ("sglang::scheduler_TP3", "", "")
+
+
+def test_session_of_the_recorded_launch_is_ours_without_the_marker() -> None:
+    main = ProcessIdentity(500, 100.0)  # the launch's main process, leader of its session
+    snaps = [gpu(0, (20, GiB), (21, GiB), (22, GiB))]
+    known = [
+        facts(20, *TITLE_ONLY, uid=OTHER, start=101.0, sid=500),  # not recorded, no marker
+        facts(21, *TITLE_ONLY, uid=OTHER, start=101.0, sid=77),  # another session
+        facts(22, *TITLE_ONLY, uid=OTHER, start=99.0, sid=500),  # older than the launch
+    ]
+    recorded = {main, ProcessIdentity(501, 100.5)}
+    got = run(snaps, known, recorded=recorded, owner=OWNER)
+    assert got[20] == (Kind.LEFTOVER, True)
+    assert got[21] == (Kind.FOREIGN, False)
+    assert got[22] == (Kind.FOREIGN, False)
+    reason = next(
+        c.reason
+        for c in classify(snaps, {f.pid: f for f in known}, set(), recorded, MATCH, ME)
+        if c.pid == 20
+    )
+    assert "session" in reason and "500" in reason
+    # The leader's pid now names another process: the session id says nothing any more.
+    reused = [*known, facts(500, "bash", start=300.0, sid=500)]
+    assert run(snaps, reused, recorded=recorded, owner=OWNER)[20] == (Kind.FOREIGN, False)
+    # The leader alive as recorded: still ours.
+    alive = [*known, facts(500, "python", "-m", "sglang.launch_server", start=100.0, sid=500)]
+    assert run(snaps, alive, recorded=recorded, owner=OWNER)[20] == (Kind.LEFTOVER, True)
+    # Without a record, nothing names the session.
+    assert run(snaps, known, owner=OWNER)[20] == (Kind.FOREIGN, False)
 
 
 @pytest.mark.parametrize(

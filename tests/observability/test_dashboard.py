@@ -97,6 +97,7 @@ SGLANG_METRICS: dict[str, str] = {
     "sglang:queue_time_seconds": "histogram",
     "sglang:prompt_tokens_total": "counter",
     "sglang:generation_tokens_total": "counter",
+    "sglang:realtime_tokens_total": "counter",
     "sglang:cached_tokens_total": "counter",
     "sglang:num_requests_total": "counter",
     "sglang:num_aborted_requests_total": "counter",
@@ -277,6 +278,8 @@ def test_dashboard_shows_sglang_serving_metrics(dashboard: dict[str, Any]) -> No
         "sglang:spec_accept_length",
         "sglang:time_to_first_token_seconds_bucket",
         "sglang:generation_tokens_total",
+        # What busy-vs-hung is judged on (docs/runbook.md "Busy or hung?").
+        "sglang:realtime_tokens_total",
     }
     assert wanted - used == set()
 

@@ -153,7 +153,7 @@ def test_print_command_shows_every_production_flag() -> None:
     assert argv[:3] == ["/opt/sglang/venv/bin/python", "-m", "sglang.launch_server"]
     for run in PRODUCTION_FLAGS:
         assert contains_run(argv, run), f"{run} not in {first}"
-    assert env == ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1"]
+    assert env == ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1", "env: SPT_NOENV=1"]
 
 
 def test_print_command_fallback_has_no_speculative_flags() -> None:
@@ -221,3 +221,29 @@ def test_status_with_url_needs_no_config(tmp_path: Path) -> None:
     )
     assert done.returncode == 4, done.stderr
     assert "cannot reach the daemon" in done.stderr
+
+
+def test_check_warns_without_spt_noenv(tmp_path: Path) -> None:
+    text = PRODUCTION.read_text()
+    assert 'SPT_NOENV: "1"' in text
+    done = kimi_serve("check", "--config", str(PRODUCTION))
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "ok", "")
+    # Without it: still valid (exit 0, "ok"), with one warning per profile naming the key.
+    bare = tmp_path / "no-spt.yaml"
+    bare.write_text(text.replace('SPT_NOENV: "1"', 'OTHER: "1"'))
+    done = kimi_serve("check", "--config", str(bare))
+    assert (done.returncode, done.stdout.strip()) == (0, "ok")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("warning: ") for ln in lines)
+    assert "sglang.env has no SPT_NOENV" in lines[0] and "(profile primary)" in lines[0]
+    assert "(profile fallback)" in lines[1]
+    # A profile that removes it is named too.
+    removed = tmp_path / "removed.yaml"
+    profile = "  fallback:\n    args:\n"
+    assert profile in text
+    removed.write_text(
+        text.replace(profile, "  fallback:\n    env: {SPT_NOENV: null}\n    args:\n")
+    )
+    done = kimi_serve("check", "--config", str(removed))
+    assert done.returncode == 0
+    assert done.stderr.count("warning:") == 1 and "profiles.fallback.env" in done.stderr

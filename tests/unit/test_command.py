@@ -231,7 +231,8 @@ def test_production_primary_and_fallback() -> None:
     rest = [t for t in primary.argv if not t.startswith("--speculative")]
     spec_values = {str(primary.args[n]) for n in SPECULATIVE}
     assert [t for t in rest if t not in spec_values] == list(fallback.argv)
-    assert primary.env == fallback.env == {"SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1"}
+    want = {"SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1", "SPT_NOENV": "1"}
+    assert primary.env == fallback.env == want
 
 
 # --------------------------------------------------------------------------------------------

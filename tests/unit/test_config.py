@@ -275,7 +275,7 @@ def test_production_config_values() -> None:
     assert cfg.sglang.model_path == "/shared/kimi-k2.5-int4"
     assert cfg.sglang.args["tp-size"] == 8
     assert cfg.sglang.args["enable-metrics"] is True
-    assert cfg.sglang.env == {"SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1"}
+    assert cfg.sglang.env == {"SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1", "SPT_NOENV": "1"}
     assert cfg.profile_names == ("primary", "fallback")
     assert cfg.profiles["fallback"].args["speculative-algorithm"] is None
     assert cfg.restart.fallback_profile == "fallback"

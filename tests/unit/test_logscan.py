@@ -359,3 +359,34 @@ def test_evidence_of_a_single_line_and_of_a_settled_traceback() -> None:
     s.feed(INCIDENT[0])
     s.settle()
     assert s.evidence == INCIDENT[0].strip()
+
+
+# ------------------------------------------------------------------------ soft watchdog
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [DEFAULT_FATAL_PATTERNS, (r"watchdog timeout",), (r"Scheduler watchdog timeout",)],
+)
+def test_soft_watchdog_never_restarts(patterns: tuple[str, ...]) -> None:
+    # utils/watchdog.py (SGLang 0.5.23): the soft watchdog prints the hard one's text with
+    # soft=True and only dumps state; the server goes on serving.
+    s = LogScanner(patterns, tail_lines=10)
+    soft = (
+        "[2026-12-01 10:00:00 TP0] Scheduler watchdog timeout "
+        "(self.watchdog_timeout=60, self.soft=True)"
+    )
+    assert s.feed(soft) == NOTHING
+    assert s.tail() == [soft]  # still kept for status
+    hard = soft.replace("soft=True", "soft=False")
+    assert s.feed(hard).fatal is not None
+
+
+def test_pending_traceback_is_visible() -> None:
+    s = LogScanner(DEFAULT_FATAL_PATTERNS, tail_lines=50)
+    assert not s.pending
+    s.feed(INCIDENT[0])
+    assert s.pending
+    for line in INCIDENT[1:]:
+        s.feed(line)
+    assert not s.pending

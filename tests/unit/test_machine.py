@@ -645,6 +645,52 @@ def test_exit_detail_names_the_exit_code() -> None:
     assert of(Transitioned, d.send(ChildExited(1, 137, None)))[0].detail == "exit code 137"
 
 
+def test_a_worker_death_names_the_process() -> None:
+    d = Drive().ready()
+    actions = d.send(ChildExited(1, None, 9, process="sglang::scheduler (pid 4242)"))
+    detail = "sglang::scheduler (pid 4242) killed by signal 9"
+    assert of(Transitioned, actions)[0] == Transitioned(
+        State.READY, State.RESTARTING, Reason.EXITED, detail
+    )
+    # Out of ready at once, and the launch is killed now: SGLang's own 5 s wait is not awaited.
+    assert StopChild(1, graceful=False) in actions
+
+
+def test_a_traceback_then_signal_9_is_fatal_log_with_the_traceback() -> None:
+    # SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1: the scheduler logs its traceback and SIGKILLs the
+    # group; the death can be seen before the traceback's last line is read.
+    d = Drive().ready()
+    d.send(ChildExited(1, None, 9, process="sglang::scheduler (pid 4242)"))
+    line = "AttributeError: 'EAGLEWorkerV2' object has no attribute 'spec_disable_batch_threshold'"
+    assert d.send(FatalLog(1, line)) == [
+        Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, line)
+    ]
+    assert d.send(ChildGone(1, None, 9), after=0.1) == [
+        RecordRestart(Reason.FATAL_LOG, None, 9, line),
+        SetTimer(TimerName.BACKOFF, 5.0, 1),
+    ]
+
+
+@pytest.mark.parametrize("first", [Reason.FATAL_LOG, Reason.MANUAL, Reason.LIVENESS_FAILED])
+def test_a_fatal_line_does_not_rewrite_other_restarts(first: Reason) -> None:
+    d = Drive().ready()
+    if first is Reason.FATAL_LOG:
+        d.send(FatalLog(1, "first"))
+    elif first is Reason.MANUAL:
+        d.send(RestartRequested(Reason.MANUAL))
+    else:
+        for _ in range(CFG.liveness.failure_threshold):
+            d.liveness(failed_result())
+    assert d.state is State.RESTARTING and d.m.ctx.pending is first
+    assert d.send(FatalLog(1, "later")) == []
+    assert d.m.ctx.pending is first
+
+
+def test_a_fatal_line_after_the_launch_is_gone_changes_nothing() -> None:
+    d = Drive().backing_off()
+    assert d.send(FatalLog(1, SCHEDULER_EXCEPTION)) == []
+
+
 def test_child_gone_after_a_crash_records_and_backs_off() -> None:
     d = Drive().restarting()
     assert d.send(ChildGone(1, None, 9), after=2) == [
@@ -658,7 +704,6 @@ def test_events_while_restarting_do_not_restart_twice() -> None:
     d = Drive().restarting()
     for event in events(
         ChildExited(1, None, 9),
-        FatalLog(1, SCHEDULER_EXCEPTION),
         ProbeDone(1, ProbeKind.LIVENESS, failed_result()),
         TimerFired(TimerName.LOAD, 1),
         TimerFired(TimerName.LIVENESS, 1),
@@ -1354,7 +1399,11 @@ class Invariants:
             match a:
                 case Transitioned():
                     assert a.old is state, f"{a} does not start from {state}"
-                    status_only = a.old is a.new and a.old in (State.CLEANING, State.DEGRADED)
+                    status_only = a.old is a.new and a.old in (
+                        State.CLEANING,
+                        State.DEGRADED,
+                        State.RESTARTING,
+                    )
                     assert status_only or a.new in EDGES[a.old], f"illegal edge {a}"
                     if a.old is State.WARMING and a.new is State.READY:
                         assert good_probe, f"ready on {event}, not on a readiness probe"

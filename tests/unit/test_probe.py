@@ -26,12 +26,14 @@ from supervisor.config import ProbeConfig
 from supervisor.probe import (
     FAILURE_REASONS,
     MAX_BODY_BYTES,
+    PROBE_PROMPT_ALLOWANCE,
     ProbeResult,
     Progress,
     is_busy,
     judge,
     parse_progress,
     probe,
+    prompt_token_bound,
     read_progress,
     request_for,
 )
@@ -176,6 +178,20 @@ def test_no_speculation(verify: Any) -> None:
 def test_spec_verify_ct_is_not_needed_without_speculation() -> None:
     assert gen(generate_answer(spec_verify_ct=None), speculative=False).ok
     assert gen(generate_answer(spec_verify_ct=0), speculative=False).ok
+
+
+def test_absent_spec_keys_read_as_no_verification_ran() -> None:
+    # Real SGLang 0.5.23 leaves every spec_* key out of meta_info when verify did not run.
+    doc = generate_answer(spec_verify_ct=None)
+    doc["meta_info"].pop("spec_accept_length")
+    assert not any(k.startswith("spec_") for k in doc["meta_info"])
+    assert gen(doc, speculative=False).ok
+    v = gen(doc, speculative=True)
+    assert (v.ok, v.reason, v.spec_verify_ct) == (False, "no_speculation", None)
+    assert "no speculative verification ran" in (v.error or "")
+    # A present but zero count says so as such.
+    zero = gen(generate_answer(spec_verify_ct=0), speculative=True)
+    assert "spec_verify_ct is 0" in (zero.error or "")
 
 
 def test_too_few_tokens_is_reported_before_no_speculation() -> None:
@@ -718,7 +734,7 @@ def metrics_text(tokens: float = 15328.0, running: float = 3.0) -> str:
 
 
 def test_parse_progress_reads_sglang_metrics() -> None:
-    assert parse_progress(metrics_text(15328.0, 3.0)) == Progress(15328.0, 3.0)
+    assert parse_progress(metrics_text(15328.0, 3.0)) == Progress(15328.0, 3.0, None, 12.0)
 
 
 def test_parse_progress_sums_label_sets() -> None:
@@ -728,10 +744,14 @@ def test_parse_progress_sums_label_sets() -> None:
         'sglang:num_running_reqs{tp_rank="0"} 1\n'
     )
     assert parse_progress(text) == Progress(15.0, 1.0)
+    assert parse_progress(text + 'sglang:num_queue_reqs{tp_rank="1"} 4\n') == Progress(
+        15.0, 1.0, None, 4.0
+    )
 
 
 def test_parse_progress_without_type_lines() -> None:
-    assert parse_progress("sglang:generation_tokens_total 42\n") == Progress(42.0, 0.0)
+    # No gauges exported at all: unknown, not zero.
+    assert parse_progress("sglang:generation_tokens_total 42\n") == Progress(42.0, None)
 
 
 @pytest.mark.parametrize(
@@ -756,7 +776,10 @@ def test_parse_progress_garbage_is_none(text: str) -> None:
     ("before", "after", "busy"),
     [
         (Progress(100, 2), Progress(180, 2), True),
-        (Progress(100, 0), Progress(100.5, 0), True),
+        # The counter moved but no request was running or queued at either read: not busy.
+        (Progress(100, 0), Progress(100.5, 0), False),
+        (Progress(100, 0), Progress(100.5, 1), True),
+        (Progress(100, None), Progress(100.5, None), True),  # no gauges: the counter decides
         (Progress(100, 5), Progress(100, 5), False),  # requests running, nothing generated: hung
         (Progress(100, 0), Progress(40, 0), False),  # counter reset: SGLang restarted
         (None, Progress(180, 0), False),
@@ -797,7 +820,7 @@ async def test_read_progress_from_a_server(client: httpx.AsyncClient) -> None:
         return web.Response(text=metrics_text(777.0), content_type="text/plain")
 
     async with app_server({"/metrics": metrics}) as url:
-        assert await read_progress(client, url) == Progress(777.0, 3.0)
+        assert await read_progress(client, url) == Progress(777.0, 3.0, None, 12.0)
 
 
 async def test_read_progress_without_metrics_is_none(client: httpx.AsyncClient) -> None:
@@ -838,3 +861,115 @@ async def test_a_wrong_answer_is_not_excused_by_its_own_tokens(tmp_path: Path, k
 def test_probe_result_defaults() -> None:
     r = ProbeResult(False, "timeout", "no answer within 30s", 30.0)
     assert (r.completion_tokens, r.spec_verify_ct, r.text, r.not_up) == (None, None, None, False)
+
+
+# Real SGLang 0.5.23 under load: one long generation running, none finished yet. The generation
+# counter (moves when a request finishes) stands still; the scheduler's realtime counter moves.
+REAL_METRICS = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{{labels}}} {running}
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{{labels}}} {queued}
+# HELP sglang:realtime_tokens_total Total number of tokens processed.
+# TYPE sglang:realtime_tokens_total counter
+sglang:realtime_tokens_total{{{labels},mode="prefill_compute"}} {prefill}
+sglang:realtime_tokens_total{{{labels},mode="decode"}} {decode}
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{engine_type="unified",model_name="m"}} 2008.0
+"""
+
+
+REAL_LABELS = 'engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+
+
+def real_metrics(
+    decode: float, running: float = 1.0, queued: float = 0.0, prefill: float = 370.0
+) -> str:
+    return REAL_METRICS.format(
+        decode=decode, running=running, queued=queued, prefill=prefill, labels=REAL_LABELS
+    )
+
+
+def test_parse_progress_sums_the_realtime_modes() -> None:
+    got = parse_progress(real_metrics(2378.0, running=2.0, queued=4.0))
+    assert got == Progress(2008.0, 2.0, 370.0 + 2378.0, 4.0, 2378.0)
+    assert got is not None and got.tokens == 2748.0 and got.has_work
+
+
+def test_busy_on_the_realtime_counter_while_no_request_finishes() -> None:
+    # Measured on real SGLang: generation_tokens_total 2008 -> 2008, realtime decode
+    # 2378 -> 3015 over 3 s. The old rule (generation counter) called this hung.
+    before = parse_progress(real_metrics(2378.0))
+    after = parse_progress(real_metrics(3015.0))
+    assert is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_saturated_server_with_only_queued_requests_is_busy() -> None:
+    before = parse_progress(real_metrics(2378.0, running=0.0, queued=6.0))
+    after = parse_progress(real_metrics(3015.0, running=0.0, queued=6.0))
+    assert is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_hung_scheduler_with_running_requests_is_not_busy() -> None:
+    # A hung scheduler leaves its gauges where they were and its counter flat.
+    before = parse_progress(real_metrics(2378.0, running=2.0, queued=4.0))
+    after = parse_progress(real_metrics(2378.0, running=2.0, queued=4.0))
+    assert not is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_idle_server_is_not_busy_even_if_the_counter_moved() -> None:
+    before = parse_progress(real_metrics(2378.0, running=0.0, queued=0.0))
+    after = parse_progress(real_metrics(3015.0, running=0.0, queued=0.0))
+    assert not is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_the_probes_own_prompt_and_tokens_are_not_busyness_on_the_realtime_counter() -> None:
+    # Each mode is held against what the probe can add to it: its tokens to decode, its
+    # prompt to prefill.
+    before = parse_progress(real_metrics(1000.0))
+    own_decode = parse_progress(real_metrics(1008.0, prefill=370.0 + PROBE_PROMPT_ALLOWANCE))
+    assert not is_busy(TIMED_OUT, before, own_decode, 8)
+    assert is_busy(TIMED_OUT, before, parse_progress(real_metrics(1009.0)), 8)
+    more_prefill = real_metrics(1000.0, prefill=370.0 + PROBE_PROMPT_ALLOWANCE + 1)
+    assert is_busy(TIMED_OUT, before, parse_progress(more_prefill), 8)
+
+
+def test_a_slow_decode_for_others_is_busy() -> None:
+    # Measured on a loaded 2-core machine: ~30 tokens/s for two running requests, ~60 in a
+    # 2 s probe window: far more than the probe's own 8, though less than 8 + its prompt.
+    before = parse_progress(real_metrics(6954.0, running=2.0, queued=4.0))
+    after = parse_progress(real_metrics(7012.0, running=2.0, queued=4.0))
+    assert is_busy(TIMED_OUT, before, after, own_tokens=8)
+
+
+def test_prompt_token_bound_follows_the_configured_prompt() -> None:
+    gen_cfg = with_(GENERATE, prompt="Say hello in one word")
+    assert prompt_token_bound(gen_cfg) == 21 <= PROBE_PROMPT_ALLOWANCE
+    chat = with_(GENERATE, endpoint="chat", prompt="Say hello in one word")
+    assert prompt_token_bound(chat) == 21 + 32
+    long = with_(GENERATE, prompt="é" * 100)
+    assert prompt_token_bound(long) == 200
+    # A long prompt's own prefill is not busyness.
+    before = parse_progress(real_metrics(1000.0))
+    after = parse_progress(real_metrics(1008.0, prefill=370.0 + 200))
+    assert is_busy(TIMED_OUT, before, after, 8)  # the default allowance is smaller
+    assert not is_busy(TIMED_OUT, before, after, 8, prompt_tokens=prompt_token_bound(long))
+
+
+def test_generation_counter_is_only_the_fallback() -> None:
+    # Realtime present in both reads: a moving generation counter alone does not make busy.
+    before = Progress(100.0, 1.0, 5000.0, 0.0)
+    after = Progress(900.0, 1.0, 5000.0, 0.0)
+    assert not is_busy(TIMED_OUT, before, after, own_tokens=8)
+    # Realtime absent (an older release, the stand-in): the generation counter decides.
+    assert is_busy(TIMED_OUT, Progress(100.0, 1.0), Progress(900.0, 1.0), own_tokens=8)
+
+
+def test_realtime_counter_before_any_request_finished() -> None:
+    # No generation sample exists until the first request finishes.
+    text = real_metrics(50.0).replace("sglang:generation_tokens_total{", "#")
+    got = parse_progress(text)
+    assert got is not None and got.generation_tokens is None and got.realtime_tokens == 420.0

@@ -77,7 +77,8 @@ async def test_lines_and_exit_arrive_and_the_child_carries_our_marker(
 ) -> None:
     po, seen = owner
     child = spawn(po)
-    await seen.until(lambda: "up" in seen.text())
+    # stdout and stderr are separate pipes: wait for both lines, in whichever order they come.
+    await seen.until(lambda: "up" in seen.text() and bool(seen.text(Stream.STDERR)))
     assert f"owner {tmp_path}" in seen.text()
     assert "notify None" in seen.text()  # our notify socket is not SGLang's
     assert seen.text(Stream.STDERR) == ["to stderr"]
