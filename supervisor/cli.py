@@ -39,6 +39,8 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
+    for warning in config_mod.warnings(cfg):
+        print(f"{cfg.path}: warning: {warning}", file=err)
     print("ok", file=out)
     return EX_OK
 
