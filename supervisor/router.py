@@ -489,6 +489,14 @@ class RouterLink:
         if not ids:
             self._set_registered(False)
             return True
+        if not self.state.registered:
+            # Not ours to be listed now: an addition the router finished after our removal, a
+            # router started with --worker-urls, or another client. Out it goes.
+            self.log.warning(
+                "router lists this SGLang while it must not: removing it",
+                worker_url=self.cfg.worker_url,
+                worker_ids=sorted(ids),
+            )
         for wid in ids:
             got = await self._call(op, "DELETE", f"/workers/{urllib.parse.quote(wid, safe='')}")
             if isinstance(got, Failure):
@@ -618,18 +626,22 @@ class RouterLink:
 
 @dataclass(frozen=True)
 class DrainAnswer:
-    status: int  # HTTP status for the admin endpoint
+    status: int  # HTTP status for the admin endpoint: 200 done, 409 refused
     body: dict[str, Any]
 
 
+NO_ROUTER = "router.url is not set: only /readyz changes (503 while draining)"
+
+
 async def answer_drain(link: RouterLink | None, request: Callable[[], str | None]) -> DrainAnswer:
-    """POST /drain: `request()` feeds the machine (DrainRequested) and returns why it refuses,
-    or None; the machine's RouterDeregister(wait_idle) started the work; wait for it."""
-    if link is None:
-        return DrainAnswer(409, {"drained": False, "error": "router.url is not configured"})
+    """POST /drain. `request()` is the daemon's: it returns why the machine refuses
+    (`Machine.drain_refusal()`), or feeds it DrainRequested and returns None; the machine's
+    RouterDeregister(wait_idle=True) then starts the work, which this awaits (bounded)."""
     refused = request()
     if refused:
         return DrainAnswer(409, {"drained": False, "error": refused})
+    if link is None:
+        return DrainAnswer(200, {"drained": True, "router": None, "note": NO_ROUTER})
     result = await link.settled()
     body: dict[str, Any] = {"drained": True, "router": link.status()}
     if result is not None:
@@ -638,10 +650,11 @@ async def answer_drain(link: RouterLink | None, request: Callable[[], str | None
 
 
 async def answer_undrain(link: RouterLink | None, request: Callable[[], str | None]) -> DrainAnswer:
-    """POST /undrain: back to `ready` and registered (in the background, as on any ready)."""
-    if link is None:
-        return DrainAnswer(409, {"undrained": False, "error": "router.url is not configured"})
+    """POST /undrain: back to `ready`; the machine's RouterRegister registers again (in the
+    background, retried like any registration), so this answers at once."""
     refused = request()
     if refused:
         return DrainAnswer(409, {"undrained": False, "error": refused})
-    return DrainAnswer(200, {"undrained": True, "router": link.status()})
+    return DrainAnswer(
+        200, {"undrained": True, "router": link.status() if link is not None else None}
+    )

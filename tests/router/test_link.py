@@ -279,3 +279,34 @@ async def test_drain_gives_up_at_drain_timeout(
         hung.cancel()
     finally:
         await link.close()
+
+
+@pytest.mark.slow
+async def test_a_removal_lost_by_the_router_is_caught_by_the_keep_out_loop(
+    router: RouterProcess, launch: Launcher, client: httpx.AsyncClient
+) -> None:
+    """sglang-router 0.3.2 accepts a DELETE while it is still adding the worker, then lists
+    the worker anyway. While unregistered, the link keeps removing it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    link, log, _ = make_link(client, router.url, url, confirm_timeout=0.3)
+    try:
+        assert await link.register_once() is False  # nothing listens yet: accepted, pending
+        link.begin_deregister("stop")
+        await link.settled()
+        replica = launch(port=port)
+        # The router completes the pending addition: it reads /server_info of the worker.
+        await until("the router to add it", lambda: replica.count('"GET /server_info') > 0)
+        await until("it to be removed again", lambda: url not in router.urls())
+        await until(
+            "the removal logged",
+            lambda: any(
+                e.startswith("router lists this SGLang while it must not") for e, _ in log.lines
+            ),
+        )
+        before = served(replica)
+        r = await client.post(router.url + "/generate", json=GENERATE, timeout=10)
+        assert r.status_code == 503  # the shared router has no other worker now
+        assert served(replica) == before
+    finally:
+        await link.close()
