@@ -63,6 +63,13 @@ class Worker:
     id: str
     url: str
     healthy: bool | None
+    # SMG (1.x) keeps a removed worker listed with status "draining" while its requests end;
+    # it routes nothing new to it. sglang-router 0.3.2 lists no status.
+    status: str | None = None
+
+    @property
+    def leaving(self) -> bool:
+        return self.status == "draining"
 
 
 def same_url(a: str, b: str) -> bool:
@@ -98,7 +105,15 @@ def parse_workers(status: int, body: bytes, content_type: str) -> list[Worker] |
         if not isinstance(wid, str) or not isinstance(url, str):
             return Failure("list", "malformed", "GET /workers: an entry has no id or url")
         healthy = item.get("is_healthy")
-        out.append(Worker(wid, url, healthy if isinstance(healthy, bool) else None))
+        state = item.get("status")
+        out.append(
+            Worker(
+                wid,
+                url,
+                healthy if isinstance(healthy, bool) else None,
+                state if isinstance(state, str) else None,
+            )
+        )
     return out
 
 
@@ -425,7 +440,7 @@ class RouterLink:
             return False
         if not self.state.wanted:
             return False
-        mine = [w for w in listed if same_url(w.url, self.cfg.worker_url)]
+        mine = [w for w in listed if same_url(w.url, self.cfg.worker_url) and not w.leaving]
         known = self.state.worker_id
         if known is not None and not any(w.id == known for w in listed) and self.state.registered:
             self._fail(
@@ -485,7 +500,7 @@ class RouterLink:
         if isinstance(listed, Failure):
             self._fail(Failure(op, listed.kind, listed.message))
             return False
-        ids = {w.id for w in listed if same_url(w.url, self.cfg.worker_url)}
+        ids = {w.id for w in listed if same_url(w.url, self.cfg.worker_url) and not w.leaving}
         if not ids:
             self._set_registered(False)
             return True
@@ -518,7 +533,7 @@ class RouterLink:
             if isinstance(listed, Failure):
                 self._fail(Failure(op, listed.kind, listed.message))
                 return False
-            left = [w.id for w in listed if same_url(w.url, self.cfg.worker_url)]
+            left = [w.id for w in listed if same_url(w.url, self.cfg.worker_url) and not w.leaving]
             if not left:
                 self._set_registered(False)
                 self.state.worker_id = None

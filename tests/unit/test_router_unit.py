@@ -160,3 +160,9 @@ def test_backoff_is_exponential_capped_and_jittered() -> None:
         assert step / 2 <= d <= step
     assert max(delays) <= 30.0
     assert backoff(10_000, 0.5, 30.0, lambda: 1.0) == 30.0
+
+
+def test_an_entry_smg_is_draining_counts_as_removed() -> None:
+    body = b'{"workers":[{"id":"x","url":"http://h:1","is_healthy":false,"status":"draining"}]}'
+    (w,) = parse_workers(200, body, "application/json")  # type: ignore[misc]
+    assert w.leaving and w.status == "draining" and w.healthy is False
