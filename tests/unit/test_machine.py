@@ -1548,6 +1548,8 @@ class World:
             moves += ["port"] * 30 * (("port", cur) not in self.told)
             moves += ["ready_line"] * 10 * (("ready", cur) not in self.told)
         # An operator acts more often on a degraded server (and so the runs reach its edges).
+        # A drain of a ready server: often enough that every edge of DRAINING is taken.
+        moves += ["drain"] * 2 * (self.m.state is State.READY)
         weight = {State.DEGRADED: 10, State.DRAINING: 30}.get(self.m.state, 1)
         weight *= 1 + (self.m.state is State.DRAINING and self.m.ctx.liveness_failures > 0)
         return [*moves, *["operator"] * weight]
@@ -1602,6 +1604,8 @@ class World:
                 assert cur is not None
                 self.told.add(("port" if move == "port" else "ready", cur))
                 self.queue.append(PortOpen(cur) if move == "port" else ReadyLine(cur))
+            case "drain":
+                self.queue.append(DrainRequested())
             case "operator":
                 # A drained server is mostly given back (else runs seldom leave it that way).
                 undrain = ["undrain"] * (12 if self.m.state is State.DRAINING else 1)
