@@ -46,6 +46,8 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EX_CONFIG
     for warning in command.launch_warnings(cfg):
         print(f"warning: {warning}", file=err)
+    for warning in config_mod.warnings(cfg):
+        print(f"{cfg.path}: warning: {warning}", file=err)
     print("ok", file=out)
     return EX_OK
 

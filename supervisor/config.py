@@ -11,6 +11,8 @@ import ipaddress
 import math
 import os
 import re
+import socket
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -173,6 +175,20 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """Registration with an sglang-router / SMG in front of a fleet (docs/fleet.md)."""
+
+    url: str | None = None  # the router's own HTTP API; None: no registration
+    worker_url: str = ""  # how the router reaches this SGLang (resolved, never empty when url)
+    api_key_file: str | None = None
+    drain_timeout: float = 30.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     sglang: SGLangConfig
@@ -191,6 +207,7 @@ class Config:
             "/var/lib/kimi-serve/incidents", 20, 10.0, INCIDENTS_MAX_BYTES, INCIDENTS_MIN_FREE
         )
     )
+    router: RouterConfig = RouterConfig()
 
     def profile(self, name: str) -> Profile:
         if name == PRIMARY:
@@ -770,6 +787,93 @@ def _incidents(r: _Reader, raw: object, state_dir: str) -> IncidentsConfig:
     )
 
 
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "")
+
+
+def _http_url(value: object) -> str:
+    text = _string(value).strip()
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{text!r} is not an http:// or https:// URL")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{text!r} has an invalid port") from None
+    if not parts.hostname or (port is not None and not 1 <= port <= 65535):
+        raise ValueError(f"{text!r} names no host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{text!r} must be scheme://host:port only, without a path")
+    return text.rstrip("/")
+
+
+def _opt_http_url(value: object) -> str | None:
+    return None if value is None else _http_url(value)
+
+
+def _readable_file(value: object) -> str:
+    text = _string(value)
+    try:
+        with open(text, "rb"):
+            pass
+    except FileNotFoundError:
+        raise ValueError(f"{text!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{text!r} is a directory, not a file") from None
+    except PermissionError:
+        raise ValueError(f"{text!r} is not readable by this user") from None
+    except OSError as exc:
+        raise ValueError(f"{text!r} cannot be read: {exc.strerror}") from None
+    return text
+
+
+def _opt_readable_file(value: object) -> str | None:
+    return None if value is None else _readable_file(value)
+
+
+def is_loopback_url(url: str) -> bool:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
+    p = "router"
+    s = r.section(raw, p, ("url", "worker_url", "api_key_file", "drain_timeout"))
+    url = r.get(s, p, "url", _opt_http_url, None)
+    worker_url = r.get(s, p, "worker_url", _opt_http_url, None)
+    if worker_url is None and sglang.host and sglang.port:
+        host = sglang.host
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname() if url and not is_loopback_url(url) else "127.0.0.1"
+        worker_url = (
+            f"http://[{host}]:{sglang.port}" if ":" in host else f"http://{host}:{sglang.port}"
+        )
+    return RouterConfig(
+        url=url,
+        worker_url=worker_url or "",
+        api_key_file=r.get(s, p, "api_key_file", _opt_readable_file, None),
+        drain_timeout=r.get(s, p, "drain_timeout", parse_duration, 30.0),
+    )
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Problems that do not stop the daemon but are very likely mistakes (`check` prints them)."""
+    out: list[str] = []
+    rc = cfg.router
+    if rc.url is not None:
+        if is_loopback_url(rc.worker_url) and not is_loopback_url(rc.url):
+            out.append(
+                f"router.worker_url: {rc.worker_url} is a loopback address but the router at "
+                f"{rc.url} runs on another host: it cannot reach this SGLang; set "
+                "router.worker_url to an address the router can reach"
+            )
+        if not cfg.sglang.args.get("enable-metrics"):
+            out.append(
+                "router: sglang.args.enable-metrics is not set: a drain cannot see SGLang's "
+                "running and queued requests and ends without waiting for them"
+            )
+    return out
+
+
 TOP_KEYS = (
     "sglang",
     "profiles",
@@ -783,6 +887,7 @@ TOP_KEYS = (
     "logs",
     "logging",
     "incidents",
+    "router",
 )
 
 
@@ -914,9 +1019,10 @@ def parse(text: str, file: str) -> Config:
         raise ConfigError(file, r.issues)
     stop_s = r.section(top.get("stop"), "stop", ("drain_timeout",))
     state_dir = r.get(top, "", "state_dir", _opt_string, None) or default_state_dir()
+    sglang = _sglang(r, top.get("sglang"))
     cfg = Config(
         path=file,
-        sglang=_sglang(r, top.get("sglang")),
+        sglang=sglang,
         profiles=_profiles(r, top.get("profiles")),
         readiness=_readiness(r, top.get("readiness")),
         liveness=_liveness(r, top.get("liveness")),
@@ -928,6 +1034,7 @@ def parse(text: str, file: str) -> Config:
         logs=_logs(r, top.get("logs")),
         logging=_logging(r, top.get("logging")),
         incidents=_incidents(r, top.get("incidents"), state_dir),
+        router=_router(r, top.get("router"), sglang),
     )
     restart_raw = top.get("restart")
     if (

@@ -15,34 +15,39 @@ ignored. An event of an earlier launch is always ignored. RSTR is shown with its
 still being stopped; once the child is gone the backoff timer moves it to CLEN.
 
 ```table
-                     STRT CLEN LNCH LOAD WARM RDY  DEGR RSTR FAIL STPG STPD
-Start                CLEN .    .    .    .    .    .    .    .    .    .
-HostReady            .    LNCH .    .    .    .    .    .    .    .    .
-HostNotReady         .    =    .    .    .    .    .    .    .    .    .
-HostNotReady wedged  .    FAIL .    .    .    .    .    .    .    .    .
-Launched             .    .    LOAD .    .    .    .    .    .    .    .
-LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-PortOpen             .    .    .    WARM .    .    .    .    .    .    .
-ReadyLine            .    .    .    WARM .    .    .    .    .    .    .
-FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR =    .    .    .
-ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR .    .    .    .
-ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
-readiness ok         .    .    .    .    RDY  .    .    .    .    .    .
-readiness failed     .    .    .    .    RSTR .    .    .    .    .    .
-liveness ok          .    .    .    .    .    =    RDY  .    .    .    .
-liveness failed      .    .    .    .    .    DEGR =    .    .    .    .
-timer load_timeout   .    .    RSTR RSTR RSTR .    .    .    .    .    .
-timer backoff        .    .    .    .    .    .    .    .    .    .    .
-timer liveness       .    .    .    .    .    =    =    .    .    .    .
-timer probe_retry    .    .    .    .    .    .    .    .    .    .    .
-timer clean_retry    .    =    .    .    .    .    .    .    .    .    .
-StopRequested        STPD STPD STPG STPG STPG STPG STPG STPG STPD =    .
-RestartRequested     .    .    RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
-ReloadRequested      =    =    =    =    =    =    =    =    =    =    =
-ConfigRead invalid   =    =    =    =    =    =    =    =    =    =    =
-ConfigRead unchanged =    =    =    =    =    =    =    =    CLEN =    =
-ConfigRead changed   =    =    RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+                     STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
+Start                CLEN .    .    .    .    .    .    .    .    .    .    .
+HostReady            .    LNCH .    .    .    .    .    .    .    .    .    .
+HostNotReady         .    =    .    .    .    .    .    .    .    .    .    .
+HostNotReady wedged  .    FAIL .    .    .    .    .    .    .    .    .    .
+Launched             .    .    LOAD .    .    .    .    .    .    .    .    .
+LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen             .    .    .    WARM .    .    .    .    .    .    .    .
+ReadyLine            .    .    .    WARM .    .    .    .    .    .    .    .
+FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
+ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok         .    .    .    .    RDY  .    .    .    .    .    .    .
+readiness failed     .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness ok          .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness failed      .    .    .    .    .    DEGR =    =    .    .    .    .
+timer load_timeout   .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
+timer backoff        .    .    .    .    .    .    .    .    .    .    .    .
+timer liveness       .    .    .    .    .    =    =    =    .    .    .    .
+timer probe_retry    .    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry    .    =    .    .    .    .    .    .    .    .    .    .
+StopRequested        STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested     .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested      =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid   =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged =    =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed   =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+GpuUnfit             .    FAIL .    .    .    .    .    .    .    .    .    .
+GpuFault report      =    =    =    =    =    =    =    =    =    =    .    .
+GpuFault restart     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
+DrainRequested       .    .    .    .    .    DRN  DRN  .    .    .    .    .
+UndrainRequested     .    .    .    .    .    .    .    RDY  .    .    .    .
 ```
 """
 
@@ -64,6 +69,9 @@ class State(StrEnum):
     WARMING = "warming"
     READY = "ready"
     DEGRADED = "degraded"
+    # Decode-verified and running, but taken out of the router on request (POST /drain):
+    # still liveness-probed, never registered, until /undrain, a restart or a stop.
+    DRAINING = "draining"
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPING = "stopping"
@@ -83,8 +91,10 @@ class Reason(StrEnum):
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
+# States whose SGLang passed its decode probe and is liveness-probed.
+PROBED = frozenset({*SERVING, State.DRAINING})
 # States in which an SGLang process of the current launch may exist.
-CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *SERVING})
+CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *PROBED})
 # Still on the way to the first READY=1: systemd's start timeout is extended in these.
 STARTUP_STATES = frozenset(
     {State.STARTING, State.CLEANING, State.LAUNCHING, State.LOADING, State.WARMING}
@@ -100,8 +110,10 @@ EDGES: dict[State, frozenset[State]] = {
     State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
     State.LOADING: frozenset({State.WARMING, State.RESTARTING}),
     State.WARMING: frozenset({State.READY, State.RESTARTING}),
-    State.READY: frozenset({State.DEGRADED, State.RESTARTING}),
-    State.DEGRADED: frozenset({State.READY, State.RESTARTING}),
+    State.READY: frozenset({State.DEGRADED, State.RESTARTING, State.DRAINING}),
+    State.DEGRADED: frozenset({State.READY, State.RESTARTING, State.DRAINING}),
+    # DRAINING -> READY / DEGRADED on /undrain (DEGRADED while liveness is still failing).
+    State.DRAINING: frozenset({State.READY, State.DEGRADED, State.RESTARTING}),
     # RESTARTING -> CLEANING after the backoff; -> FAILED on a crash loop with no fallback left.
     State.RESTARTING: frozenset({State.CLEANING, State.FAILED}),
     # FAILED -> CLEANING only on reload or a manual restart.
@@ -259,6 +271,16 @@ class ConfigRead:
     verdict: Verdict
 
 
+@dataclass(frozen=True)
+class DrainRequested:
+    """POST /drain: out of the router, SGLang keeps running (state DRAINING)."""
+
+
+@dataclass(frozen=True)
+class UndrainRequested:
+    """POST /undrain: back to READY, and so registered again."""
+
+
 Event = (
     Start
     | HostReady
@@ -278,6 +300,8 @@ Event = (
     | RestartRequested
     | ReloadRequested
     | ConfigRead
+    | DrainRequested
+    | UndrainRequested
 )
 
 
@@ -375,6 +399,25 @@ class Exit:
     code: int
 
 
+@dataclass(frozen=True)
+class RouterRegister:
+    """Register SGLang with the router (router.url set): emitted on every entry into READY,
+    the only state that is decode-verified and not being taken out."""
+
+    launch: int
+
+
+@dataclass(frozen=True)
+class RouterDeregister:
+    """Take SGLang out of the router and confirm it through the router's list. Emitted on
+    leaving READY for any state and before every StopChild that starts a stop; the daemon
+    must not carry out a StopChild before the deregistration it follows has settled."""
+
+    launch: int
+    reason: str
+    wait_idle: bool  # then wait for SGLang's running + queued requests to reach 0
+
+
 Action = (
     Transitioned
     | CleanHost
@@ -391,6 +434,8 @@ Action = (
     | NotifyReloading
     | NotifyReloaded
     | Exit
+    | RouterRegister
+    | RouterDeregister
 )
 
 # Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
@@ -468,6 +513,17 @@ class Machine:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Decide what `event` means in the current state. Stale events are dropped."""
+        before = self.ctx.state
+        match event:
+            case DrainRequested():
+                actions = self._drain(now)
+            case UndrainRequested():
+                actions = self._undrain(now)
+            case _:
+                actions = self._decide(event, now)
+        return self._with_router(before, actions)
+
+    def _decide(self, event: Event, now: float) -> list[Action]:
         ctx = self.ctx
         match event:
             case StopRequested():
@@ -625,7 +681,7 @@ class Machine:
                 # Not serving yet (503, refused) or busy: try again until load_timeout.
                 return [SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, ctx.launch)]
             return self._restart(Reason.READINESS_FAILED, now, r.error or r.reason)
-        if event.kind is ProbeKind.LIVENESS and ctx.state in SERVING:
+        if event.kind is ProbeKind.LIVENESS and ctx.state in PROBED:
             actions: list[Action] = [
                 SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch)
             ]
@@ -644,7 +700,7 @@ class Machine:
                 return self._restart(Reason.LIVENESS_FAILED, now, detail)
             if ctx.state is State.READY:
                 return [*self._to(State.DEGRADED, "probe_failed", now, detail), *actions]
-            return [Transitioned(State.DEGRADED, State.DEGRADED, "probe_failed", detail), *actions]
+            return [Transitioned(ctx.state, ctx.state, "probe_failed", detail), *actions]
         return []
 
     def _timer(self, event: TimerFired, now: float) -> list[Action]:
@@ -656,7 +712,7 @@ class Machine:
             case TimerName.PROBE_RETRY if ctx.state is State.WARMING and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
                 return [StartProbe(ctx.launch, ProbeKind.READINESS)]
-            case TimerName.LIVENESS if ctx.state in SERVING and not ctx.probe_in_flight:
+            case TimerName.LIVENESS if ctx.state in PROBED and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
                 return [StartProbe(ctx.launch, ProbeKind.LIVENESS)]
             # Never relaunch while a process of the old launch may still hold the GPUs.
@@ -723,6 +779,60 @@ class Machine:
         ctx.pending = Reason.FATAL_LOG
         ctx.pending_detail = event.line
         return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
+    # ------------------------------------------------------------------ drain and router
+
+    def drain_refusal(self) -> str | None:
+        """Why POST /drain cannot be honoured now (None: it can, or it is already draining)."""
+        if self.ctx.state in PROBED:
+            return None
+        return f"nothing to drain: SGLang is not serving (state {self.ctx.state})"
+
+    def undrain_refusal(self) -> str | None:
+        if self.ctx.state is State.DRAINING:
+            return None
+        return f"not draining (state {self.ctx.state})"
+
+    def _drain(self, now: float) -> list[Action]:
+        if self.ctx.state not in SERVING:
+            return []  # already draining, or nothing serves: see drain_refusal()
+        return self._to(State.DRAINING, "drain", now, "requested")
+
+    def _undrain(self, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state is not State.DRAINING:
+            return []
+        if ctx.liveness_failures:
+            threshold = self.cfg.liveness.failure_threshold
+            detail = f"liveness failing ({ctx.liveness_failures}/{threshold})"
+            return self._to(State.DEGRADED, "undrain", now, detail)
+        return self._to(State.READY, "undrain", now)
+
+    def _with_router(self, before: State, actions: list[Action]) -> list[Action]:
+        """With router.url set: register on entering READY; deregister on leaving it, and
+        before every stop of SGLang (whatever the reason), ahead of its StopChild."""
+        if not self.cfg.router.enabled:
+            return actions
+        out: list[Action] = []
+        deregistered = False
+        for a in actions:
+            if isinstance(a, StopChild) and before is not State.STOPPING and not deregistered:
+                # A stop of a serving SGLang waits for its requests only when it is graceful;
+                # a broken one is killed at once (see _REQUESTED).
+                idle = a.graceful and before in PROBED
+                why = self.ctx.pending.value if self.ctx.pending else "stop"
+                out.append(RouterDeregister(a.launch, why, wait_idle=idle))
+                deregistered = True
+            out.append(a)
+            if isinstance(a, Transitioned) and a.old is not a.new:
+                if a.new is State.READY:
+                    out.append(RouterRegister(self.ctx.launch))
+                elif a.old is State.READY and a.new in (State.DEGRADED, State.DRAINING):
+                    drain = a.new is State.DRAINING
+                    out.append(RouterDeregister(self.ctx.launch, a.new.value, wait_idle=drain))
+                    deregistered = a.new is State.DEGRADED
+                elif a.old is State.DEGRADED and a.new is State.DRAINING:
+                    out.append(RouterDeregister(self.ctx.launch, "drain", wait_idle=True))
+        return out
 
     # ------------------------------------------------------------------ restarts
 

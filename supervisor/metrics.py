@@ -18,6 +18,9 @@ from supervisor.logscan import Stream
 from supervisor.machine import ProbeKind, Reason, State
 from supervisor.probe import FAILURE_REASONS
 
+# Operations on the router's worker API (label `op` of kimi_serve_router_errors_total).
+ROUTER_OPS = ("register", "deregister", "list", "drain")
+
 # Decode probes: tens of ms on an idle H200 with EAGLE, up to the 30 s timeout under load.
 # The admin endpoints that need the token, so their denied series exist from the first scrape
 # (admin.py's route table is the authority; a test keeps the two in step).
@@ -160,6 +163,19 @@ class Metrics:
             "Unix time the current state was entered.",
             registry=r,
         )
+        self.router_registered = Gauge(
+            "kimi_serve_router_registered",
+            "1 while the router's worker list confirms this SGLang as registered.",
+            registry=r,
+        )
+        self.router_errors = Counter(
+            "kimi_serve_router_errors",
+            "Failed calls to the router's worker API, by operation.",
+            ["op"],
+            registry=r,
+        )
+        for op in ROUTER_OPS:
+            self.router_errors.labels(op)
         self.load_phase = Gauge(
             "kimi_serve_load_phase_seconds",
             "The last launch's load, split at SGLang's own log markers (supervisor/loadphases.py);"
@@ -249,6 +265,12 @@ class Metrics:
     def set_sglang_version(self, version: str) -> None:
         self.build.clear()
         self.build.labels(__version__, version).set(1)
+
+    def set_router_registered(self, registered: bool) -> None:
+        self.router_registered.set(1 if registered else 0)
+
+    def router_error(self, op: str) -> None:
+        self.router_errors.labels(op).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,6 +34,7 @@ from supervisor.machine import (
     ChildGone,
     CleanHost,
     ConfigRead,
+    DrainRequested,
     Event,
     Exit,
     FatalLog,
@@ -65,6 +66,7 @@ from supervisor.machine import (
     TimerFired,
     TimerName,
     Transitioned,
+    UndrainRequested,
     Verdict,
     WatchesEnd,
     watches_end,
@@ -204,6 +206,10 @@ class Drive:
     def degraded(self) -> Drive:
         self.ready().liveness(failed_result())
         return self.expect(State.DEGRADED)
+
+    def draining(self) -> Drive:
+        self.ready().send(DrainRequested(), after=1)
+        return self.expect(State.DRAINING)
 
     def restarting(self) -> Drive:
         """Restarting with the old child still being stopped."""
@@ -453,6 +459,42 @@ def _stopping_stopped() -> Any:
     ]
 
 
+def _ready_draining() -> Any:
+    d = Drive().ready()
+    return d.send(DrainRequested()), [
+        Transitioned(State.READY, State.DRAINING, "drain", "requested")
+    ]
+
+
+def _degraded_draining() -> Any:
+    d = Drive().degraded()
+    return d.send(DrainRequested()), [
+        Transitioned(State.DEGRADED, State.DRAINING, "drain", "requested")
+    ]
+
+
+def _draining_ready() -> Any:
+    d = Drive().draining()
+    return d.send(UndrainRequested()), [Transitioned(State.DRAINING, State.READY, "undrain")]
+
+
+def _draining_degraded() -> Any:
+    d = Drive().draining()
+    d.liveness(failed_result())
+    return d.send(UndrainRequested()), [
+        Transitioned(State.DRAINING, State.DEGRADED, "undrain", "liveness failing (1/3)")
+    ]
+
+
+def _draining_restarting() -> Any:
+    d = Drive().draining()
+    return d.send(RestartRequested(Reason.MANUAL)), [
+        Transitioned(State.DRAINING, State.RESTARTING, "manual", "requested"),
+        *LAUNCH_TIMERS,
+        StopChild(1, graceful=True),
+    ]
+
+
 EDGE_CASES: dict[tuple[State, State], Callable[[], Any]] = {
     (State.STARTING, State.CLEANING): _starting_cleaning,
     (State.STARTING, State.STOPPING): _stop_no_child(lambda d: d, State.STARTING),
@@ -474,6 +516,12 @@ EDGE_CASES: dict[tuple[State, State], Callable[[], Any]] = {
     (State.DEGRADED, State.READY): _degraded_ready,
     (State.DEGRADED, State.RESTARTING): _degraded_restarting,
     (State.DEGRADED, State.STOPPING): _stop_with_child(Drive.degraded, State.DEGRADED),
+    (State.READY, State.DRAINING): _ready_draining,
+    (State.DEGRADED, State.DRAINING): _degraded_draining,
+    (State.DRAINING, State.READY): _draining_ready,
+    (State.DRAINING, State.DEGRADED): _draining_degraded,
+    (State.DRAINING, State.RESTARTING): _draining_restarting,
+    (State.DRAINING, State.STOPPING): _stop_with_child(Drive.draining, State.DRAINING),
     (State.RESTARTING, State.CLEANING): _restarting_cleaning,
     (State.RESTARTING, State.FAILED): _restarting_failed,
     (State.RESTARTING, State.STOPPING): _stop_with_child(Drive.restarting, State.RESTARTING),
@@ -1149,6 +1197,7 @@ STOP_PATHS: dict[str, tuple[Callable[[Drive], Drive], bool]] = {
     "warming": (Drive.warming, True),
     "ready": (Drive.ready, True),
     "degraded": (Drive.degraded, True),
+    "draining": (Drive.draining, True),
     "restarting-child": (Drive.restarting, True),
     "restarting-backoff": (Drive.backing_off, False),
     "failed": (Drive.failed, False),
@@ -1403,6 +1452,7 @@ class Invariants:
                         State.CLEANING,
                         State.DEGRADED,
                         State.RESTARTING,
+                        State.DRAINING,
                     )
                     assert status_only or a.new in EDGES[a.old], f"illegal edge {a}"
                     if a.old is State.WARMING and a.new is State.READY:
@@ -1572,7 +1622,11 @@ class World:
             moves += ["port"] * 30 * (("port", cur) not in self.told)
             moves += ["ready_line"] * 10 * (("ready", cur) not in self.told)
         # An operator acts more often on a degraded server (and so the runs reach its edges).
-        return [*moves, *["operator"] * (10 if self.m.state is State.DEGRADED else 1)]
+        # A drain of a ready server: often enough that every edge of DRAINING is taken.
+        moves += ["drain"] * 2 * (self.m.state is State.READY)
+        weight = {State.DEGRADED: 10, State.DRAINING: 30}.get(self.m.state, 1)
+        weight *= 1 + (self.m.state is State.DRAINING and self.m.ctx.liveness_failures > 0)
+        return [*moves, *["operator"] * weight]
 
     def step(self, move: str) -> None:
         self.now += 0.5  # timers move the clock further (to when they are due)
@@ -1624,15 +1678,26 @@ class World:
                 assert cur is not None
                 self.told.add(("port" if move == "port" else "ready", cur))
                 self.queue.append(PortOpen(cur) if move == "port" else ReadyLine(cur))
+            case "drain":
+                self.queue.append(DrainRequested())
             case "operator":
-                what = self.draw(st.sampled_from(["manual", "reload", "primary", "sigterm"]))
-                self.queue.append(
-                    StopRequested()
-                    if what == "sigterm"
-                    else RestartRequested(
-                        Reason.MANUAL if what == "manual" else Reason.RELOAD, what == "primary"
-                    )
+                # A drained server is mostly given back (else runs seldom leave it that way).
+                undrain = ["undrain"] * (12 if self.m.state is State.DRAINING else 1)
+                what = self.draw(
+                    st.sampled_from(["manual", "reload", "primary", "sigterm", "drain", *undrain])
                 )
+                if what == "drain":
+                    self.queue.append(DrainRequested())
+                elif what == "undrain":
+                    self.queue.append(UndrainRequested())
+                else:
+                    self.queue.append(
+                        StopRequested()
+                        if what == "sigterm"
+                        else RestartRequested(
+                            Reason.MANUAL if what == "manual" else Reason.RELOAD, what == "primary"
+                        )
+                    )
 
     def quiescent(self) -> bool:
         return not (
@@ -1661,8 +1726,10 @@ class World:
         assert self.inv.exits == 1 and not self.alive
 
 
-def _daemon_like_run(data: Any, cfg: Config, steps: int) -> World:
-    world = World.started(Invariants(Machine(cfg, T0)), data)
+def _daemon_like_run(
+    data: Any, cfg: Config, steps: int, checks: type[Invariants] | None = None
+) -> World:
+    world = World.started((checks or Invariants)(Machine(cfg, T0)), data)
     for _ in range(steps):
         world.step(data.draw(st.sampled_from(world.moves())))
         if world.quiescent():
@@ -1712,6 +1779,8 @@ KINDS = [
     "timer",
     "stop",
     "restart",
+    "drain",
+    "undrain",
 ]
 
 
@@ -1747,6 +1816,10 @@ def _any_event(data: Any, m: Machine) -> Event:
             return TimerFired(name, launch)
         case "stop":
             return StopRequested()
+        case "drain":
+            return DrainRequested()
+        case "undrain":
+            return UndrainRequested()
         case _:
             reason = data.draw(st.sampled_from([Reason.MANUAL, Reason.RELOAD]))
             return RestartRequested(reason, data.draw(st.booleans()))

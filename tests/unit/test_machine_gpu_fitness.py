@@ -61,6 +61,7 @@ EDGE_CASES: dict[tuple[State, State], Callable[[], Any]] = {
     (State.WARMING, State.RESTARTING): _fault_restart(Drive.warming, State.WARMING),
     (State.READY, State.RESTARTING): _fault_restart(Drive.ready, State.READY),
     (State.DEGRADED, State.RESTARTING): _fault_restart(Drive.degraded, State.DEGRADED),
+    (State.DRAINING, State.RESTARTING): _fault_restart(Drive.draining, State.DRAINING),
 }
 
 

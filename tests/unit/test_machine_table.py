@@ -16,8 +16,11 @@ from supervisor.machine import (
     ChildExited,
     ChildGone,
     ConfigRead,
+    DrainRequested,
     Event,
     FatalLog,
+    GpuFault,
+    GpuUnfit,
     HostNotReady,
     HostReady,
     Launched,
@@ -34,6 +37,7 @@ from supervisor.machine import (
     StopRequested,
     TimerFired,
     TimerName,
+    UndrainRequested,
     Verdict,
 )
 from tests.unit.test_machine import PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
@@ -46,6 +50,7 @@ SHORT = {
     State.WARMING: "WARM",
     State.READY: "RDY",
     State.DEGRADED: "DEGR",
+    State.DRAINING: "DRN",
     State.RESTARTING: "RSTR",
     State.FAILED: "FAIL",
     State.STOPPING: "STPG",
@@ -59,6 +64,7 @@ PATHS: dict[State, Callable[[Drive], Drive]] = {
     State.WARMING: Drive.warming,
     State.READY: Drive.ready,
     State.DEGRADED: Drive.degraded,
+    State.DRAINING: Drive.draining,
     State.RESTARTING: Drive.restarting,
     State.FAILED: Drive.failed,
     State.STOPPING: Drive.stopping,
@@ -98,6 +104,11 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "ConfigRead invalid": lambda d: ConfigRead(Verdict.INVALID),
     "ConfigRead unchanged": lambda d: ConfigRead(Verdict.UNCHANGED),
     "ConfigRead changed": lambda d: ConfigRead(Verdict.CHANGED),
+    "GpuUnfit": lambda d: GpuUnfit("GPU 0 needs a reset"),
+    "GpuFault report": lambda d: GpuFault("GPU 0: Xid 79", restart=False),
+    "GpuFault restart": lambda d: GpuFault("GPU 0 is lost", restart=True),
+    "DrainRequested": lambda d: DrainRequested(),
+    "UndrainRequested": lambda d: UndrainRequested(),
 }
 
 

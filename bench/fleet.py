@@ -1,0 +1,331 @@
+"""Fleet benchmark: two replicas behind the real sglang-router, load through the router.
+
+    .venv/bin/python -m bench.fleet --quick            # about a minute
+    .venv/bin/python -m bench.fleet --json out.json
+
+Approaches, side by side in one run:
+- `router-default`: the router's own health checking alone, at its defaults (every 60 s,
+  5 s timeout, 3 failures); replicas restarted under it as a supervisor without coupling does
+  (SIGTERM, wait for the exit, start again);
+- `router-2s`: the same with `--health-check-interval-secs 2`;
+- `kimi-serve`: each replica run by `kimi-serve run` with `router.url` set, so it registers
+  only when decode-verified and deregisters before every stop. Measured only when the daemon
+  carries out the machine's router actions (its `/status` has a `router` section); otherwise
+  recorded under `not_measured`.
+
+Per approach, with the load generator (bench.loadgen) running for the whole scenario:
+- `planned_restart`: one replica restarted; failed requests, cut streams;
+- `broken`: the second replica's launch has the seed incident (healthy by /health, dead on
+  its first real decode); requests it received, and how long it stayed in the router's list.
+- `hung`: the second replica's decode hangs after a few requests (/health still 200);
+  seconds it stays in the list after the hang began, requests failed meanwhile.
+
+Streams: the stand-in does not stream (docs/standin.md), so `--streams` is off by default;
+with it every Nth request streams and `streams_cut` is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from tests.integration.harness import base_config
+
+from bench.loadgen import LoadGenerator
+from tests.router.harness import RouterProcess, free_port
+from tests.standin.harness import Standin
+
+DEFAULT, TWO_S, KIMI = "router-default", "router-2s", "kimi-serve"
+APPROACHES = (DEFAULT, TWO_S, KIMI)
+# Round robin everywhere: the default cache-aware policy sends prompts with a common prefix to
+# one replica, so the replica a scenario is about would see no traffic at all.
+POLICY = ["--policy", "round_robin"]
+ROUTER_FLAGS: Mapping[str, list[str]] = {
+    DEFAULT: POLICY,
+    TWO_S: [*POLICY, "--health-check-interval-secs", "2"],
+    KIMI: POLICY,
+}
+MODEL = "/models/kimi-k2.5-int4"
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    warm_s: float  # load before the event
+    after_s: float  # load after the event
+    watch_s: float  # how long a broken/hung replica is watched
+    concurrency: int
+    stream_every: int
+
+    @classmethod
+    def make(cls, quick: bool, streams: bool) -> Settings:
+        every = 2 if streams else 0
+        if quick:
+            return cls(True, 1.0, 2.0, 8.0, 3, every)
+        return cls(False, 3.0, 5.0, 70.0, 4, every)
+
+
+def served(lines: list[str]) -> int:
+    """User requests a stand-in served: its access log, less its own warmup decode (one per
+    launch, logged the same way)."""
+    decodes = sum('"POST /generate' in line for line in lines)
+    launches = sum("The server is fired up" in line for line in lines)
+    return max(0, decodes - launches)
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+class Replica:
+    """One SGLang stand-in, started and restarted by hand (the uncoupled approaches)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.env = dict(env or {})
+        self.proc: Standin | None = None
+        self.history: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready: bool = True, env: Mapping[str, str] | None = None) -> None:
+        flags = ["--model-path", MODEL, "--port", str(self.port), "--enable-metrics"]
+        self.proc = Standin(flags, {**self.env, **(env or {})}, self.port)
+        if ready:
+            self.proc.wait_ready()
+
+    def lines(self) -> list[str]:
+        return [*self.history, *(self.proc.lines if self.proc else [])]
+
+    def restart(self) -> None:
+        """SIGTERM, wait for SGLang's drain and exit, start again on the same port."""
+        assert self.proc is not None
+        self.proc.signal(15)
+        self.proc.wait_exit(60)
+        self.history += self.proc.lines
+        self.proc.cleanup()
+        self.start()
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            self.proc.cleanup()
+
+
+async def _register(router: RouterProcess, url: str) -> None:
+    async with httpx.AsyncClient(trust_env=False) as c:
+        r = await c.post(router.url + "/workers", json={"url": url})
+        r.raise_for_status()
+
+
+async def _listed_until(router: RouterProcess, url: str, limit: float) -> float | None:
+    """Seconds until `url` leaves the router's list (None: still listed after `limit`)."""
+    began = time.monotonic()
+    async with httpx.AsyncClient(trust_env=False) as c:
+        while time.monotonic() - began < limit:
+            r = await c.get(router.url + "/workers")
+            if url not in [w["url"] for w in r.json()["workers"]]:
+                return time.monotonic() - began
+            await asyncio.sleep(0.1)
+    return None
+
+
+@contextlib.contextmanager
+def _fleet(
+    approach: str, envs: tuple[Mapping[str, str], Mapping[str, str]]
+) -> Iterator[tuple[RouterProcess, list[Replica]]]:
+    router = RouterProcess(ROUTER_FLAGS[approach]).start()
+    replicas = [Replica(envs[0]), Replica(envs[1])]
+    try:
+        yield router, replicas
+    finally:
+        for r in replicas:
+            r.cleanup()
+        router.cleanup()
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+async def planned_restart_uncoupled(approach: str, s: Settings) -> dict[str, Any]:
+    with _fleet(approach, ({}, {})) as (router, (a, b)):
+        for r in (a, b):
+            r.start()
+            await _register(router, r.url)
+        load = await LoadGenerator(
+            router.url, concurrency=s.concurrency, stream_every=s.stream_every
+        ).start()
+        try:
+            await asyncio.sleep(s.warm_s)
+            load.mark("restart")
+            await asyncio.to_thread(b.restart)
+            await asyncio.sleep(s.after_s)
+        finally:
+            stats = await load.stop()
+        return {**stats.to_dict(), "served_by_restarted": served(b.lines())}
+
+
+async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) -> dict[str, Any]:
+    # An uncoupled supervisor hands the replica to the router once /health passes.
+    with _fleet(approach, ({}, fault)) as (router, (a, b)):
+        a.start()
+        await _register(router, a.url)
+        load = await LoadGenerator(
+            router.url, concurrency=s.concurrency, stream_every=s.stream_every
+        ).start()
+        try:
+            await asyncio.sleep(s.warm_s)
+            b.start()
+            began = load.mark("broken replica added")
+            await _register(router, b.url)
+            await asyncio.sleep(0.5)
+            out_after = await _listed_until(router, b.url, s.watch_s)
+        finally:
+            stats = await load.stop()
+        return {
+            **stats.to_dict(),
+            "served_by_broken": served(b.lines()),
+            "listed_s": round(out_after, 2) if out_after is not None else f">{s.watch_s:g}",
+            "after_broken": load.stats(since=began).to_dict(),
+        }
+
+
+class _Daemon:
+    """`kimi-serve run` for one replica, with router.url set."""
+
+    def __init__(self, tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.cfg = base_config(
+            tmp,
+            sglang={"env": dict(env)},
+            router={"url": router.url, "drain_timeout": "5s"},
+        )
+        self.path = tmp / "kimi-serve.yaml"
+        self.path.write_text(yaml.safe_dump(self.cfg))
+        exe = Path(sys.executable).with_name("kimi-serve")
+        self.proc = subprocess.Popen(
+            [str(exe), "run", "--config", str(self.path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.admin = f"http://{self.cfg['admin']['listen']}"
+        self.url = f"http://127.0.0.1:{self.cfg['sglang']['port']}"
+
+    def status(self) -> dict[str, Any]:
+        doc: dict[str, Any] = httpx.get(self.admin + "/status", timeout=5).json()
+        return doc
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if pred(self.status()):
+                    return
+            time.sleep(0.1)
+        raise TimeoutError("the daemon did not get there")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+
+
+class NotIntegrated(RuntimeError):
+    pass
+
+
+async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
+    router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
+    daemons = [_Daemon(tmp / "a", router, {}), _Daemon(tmp / "b", router, {})]
+    try:
+        for d in daemons:
+            await asyncio.to_thread(d.wait, lambda doc: doc.get("state") == "ready")
+            if "router" not in daemons[0].status():
+                raise NotIntegrated("the daemon's /status has no router section yet")
+            await asyncio.to_thread(
+                d.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+            )
+        load = await LoadGenerator(
+            router.url, concurrency=s.concurrency, stream_every=s.stream_every
+        ).start()
+        try:
+            await asyncio.sleep(s.warm_s)
+            load.mark("restart")
+            token = daemons[1].cfg.get("admin", {}).get("token_file")
+            headers = (
+                {"Authorization": f"Bearer {Path(token).read_text().strip()}"} if token else {}
+            )
+            httpx.post(daemons[1].admin + "/restart", headers=headers, timeout=5)
+            await asyncio.to_thread(
+                daemons[1].wait,
+                lambda doc: (
+                    doc.get("state") == "ready"
+                    and bool((doc.get("router") or {}).get("registered"))
+                ),
+            )
+            await asyncio.sleep(s.after_s)
+        finally:
+            stats = await load.stop()
+        return stats.to_dict()
+    finally:
+        for d in daemons:
+            d.stop()
+        router.cleanup()
+
+
+SEED = {"STANDIN_FAULT": "seed-incident", "STANDIN_CRASH_SLEEP_SECONDS": "65"}
+HANG = {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": "20"}
+
+
+async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
+    results: dict[str, Any] = {"settings": s.__dict__, "not_measured": {}}
+    for approach in only:
+        out: dict[str, Any] = {}
+        try:
+            if approach == KIMI:
+                with tempfile.TemporaryDirectory(prefix="kimi-fleet-") as tmp:
+                    out["planned_restart"] = await planned_restart_coupled(s, Path(tmp))
+            else:
+                out["planned_restart"] = await planned_restart_uncoupled(approach, s)
+                out["broken"] = await broken_uncoupled(approach, s, SEED)
+                out["hung"] = await broken_uncoupled(approach, s, HANG)
+        except Exception as exc:
+            results["not_measured"][approach] = f"{type(exc).__name__}: {exc}"[:300]
+        results[approach] = out
+        print(f"{approach}: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--streams", action="store_true", help="every 2nd request streams")
+    p.add_argument("--only", default=",".join(APPROACHES))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    only = tuple(a for a in args.only.split(",") if a)
+    results = asyncio.run(run(Settings.make(args.quick, args.streams), only))
+    text = json.dumps(results, indent=2, default=str)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The machine's router decisions carried out by RouterLink against the real router, the way
+the daemon's action loop does it: RouterRegister / RouterDeregister start the link's work, and
+a StopChild waits for `settled()` first. A stand-in plays SGLang."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import httpx
+
+from supervisor.config import RouterConfig
+from supervisor.machine import (
+    Action,
+    DrainRequested,
+    Event,
+    HostReady,
+    Launched,
+    Machine,
+    PortOpen,
+    ProbeDone,
+    ProbeKind,
+    Reason,
+    RestartRequested,
+    RouterDeregister,
+    RouterRegister,
+    Start,
+    State,
+    StopChild,
+    UndrainRequested,
+)
+from supervisor.router import RouterLink, answer_drain, answer_undrain
+from tests.standin.conftest import Launcher
+from tests.unit.test_machine import CFG, ok_result
+
+from .harness import RouterProcess
+from .test_link import GENERATE, Recorder, served, until
+
+
+class Loop:
+    """The part of the daemon's loop that concerns the router."""
+
+    def __init__(self, machine: Machine, link: RouterLink, router: RouterProcess, url: str):
+        self.m, self.link, self.router, self.url = machine, link, router, url
+        self.listed_at_stop: list[bool] = []
+        self.stops: list[asyncio.Task[None]] = []
+
+    def dispatch(self, event: Event) -> None:
+        for action in self.m.handle(event, time.monotonic()):
+            self.do(action)
+
+    def do(self, action: Action) -> None:
+        match action:
+            case RouterRegister():
+                self.link.want_registered()
+            case RouterDeregister():
+                self.link.begin_deregister(action.reason, action.wait_idle)
+            case StopChild():
+
+                async def stop() -> None:
+                    await self.link.settled()  # before any signal reaches SGLang
+                    self.listed_at_stop.append(self.url in self.router.urls())
+
+                self.stops.append(asyncio.ensure_future(stop()))
+            case _:
+                pass
+
+
+async def test_ready_drain_undrain_restart(router: RouterProcess, launch: Launcher) -> None:
+    replica = launch()
+    url = replica.url("")
+    cfg = replace(CFG, router=RouterConfig(url=router.url, worker_url=url, drain_timeout=5))
+    async with httpx.AsyncClient(trust_env=False) as client:
+        link = RouterLink(cfg.router, client, Recorder(), recheck_interval=0.2, poll_interval=0.05)
+        loop = Loop(Machine(cfg, time.monotonic()), link, router, url)
+        try:
+            for event in (Start(), HostReady(), Launched(1, replica.proc.pid), PortOpen(1)):
+                loop.dispatch(event)
+                assert url not in router.urls(), "registered before the decode probe"
+            loop.dispatch(ProbeDone(1, ProbeKind.READINESS, ok_result()))
+            assert loop.m.state is State.READY
+            await until("registered", lambda: url in router.urls())
+
+            def drain() -> str | None:
+                refused = loop.m.drain_refusal()
+                if refused is None:
+                    loop.dispatch(DrainRequested())
+                return refused
+
+            answer = await answer_drain(link, drain)
+            assert answer.status == 200 and answer.body["drain"]["idle"] is True
+            assert loop.m.state is State.DRAINING and url not in router.urls()
+            r = await client.post(router.url + "/generate", json=GENERATE)
+            assert r.status_code == 503  # nothing else behind this router
+
+            def undrain() -> str | None:
+                refused = loop.m.undrain_refusal()
+                if refused is None:
+                    loop.dispatch(UndrainRequested())
+                return refused
+
+            assert (await answer_undrain(link, undrain)).status == 200
+            assert (await answer_undrain(link, undrain)).status == 409  # not draining now
+            await until("registered again", lambda: url in router.urls())
+            before = served(replica)
+            r = await client.post(router.url + "/generate", json=GENERATE)
+            assert r.status_code == 200
+            await until("the replica to log it", lambda: served(replica) == before + 1)
+
+            loop.dispatch(RestartRequested(Reason.MANUAL))
+            await asyncio.gather(*loop.stops)
+            assert loop.listed_at_stop == [False], "SGLang stopped while still listed"
+            assert (await answer_drain(link, drain)).status == 409  # restarting: not serving
+        finally:
+            await link.close()
