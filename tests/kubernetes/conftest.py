@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.preflight.conftest import sglang_python  # noqa: F401 (the same session fixture)
+from tests.preflight.conftest import (  # noqa: F401 (the same session fixture and its timeout)
+    pytest_collection_modifyitems,
+    sglang_python,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = REPO_ROOT / "packaging" / "kubernetes"
