@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, startup
+from supervisor import admin, admin_token, host, log, probing, reload, stacks, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -36,6 +36,9 @@ from supervisor.machine import (
     NotifyReady,
     NotifyReloaded,
     NotifyReloading,
+    PortOpen,
+    ProbeDone,
+    ProbeKind,
     ProfileChanged,
     ReadConfig,
     Reason,
@@ -59,6 +62,7 @@ from supervisor.notify import watchdog_interval
 from supervisor.nvml import Nvml
 from supervisor.observed import Observed
 from supervisor.preflight import EX_CONFIG
+from supervisor.recorder import IncidentRecorder
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.
 EXTEND_BY_S = 30.0
@@ -90,10 +94,14 @@ class Daemon:
         self.machine = Machine(cfg, self.clock())
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.observed = Observed(cfg, self.machine.ctx, fx.metrics, fx.clock, fx.wall)
-        self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit)
+        # The evidence of each restart nobody asked for (docs/incidents.md).
+        self.recorder = IncidentRecorder(cfg, wall=fx.wall)
+        self.observed.recorder = self.recorder
+        self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self.recorder.line)
         self.launcher = Launcher(
             cfg, self.machine.ctx, fx.owner, fx.store, self.observed, self.emit, self._spawn
         )
+        self.launcher.recorder = self.recorder
         fx.owner.bind(self.pump.lines, self.launcher.exited)
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -110,6 +118,9 @@ class Daemon:
     # ============================================================ lifecycle
 
     async def run(self) -> int:
+        # Before anything is spawned: SGLang must not inherit the daemon's CAP_SYS_PTRACE
+        # (py-spy alone gets it, stacks._spawn).
+        stacks.confine()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.emit, StopRequested(sig.name))
@@ -231,6 +242,7 @@ class Daemon:
                 assert isinstance(item.config, Config)
                 self._take(item.config)
             item = ConfigRead(verdict)
+        self._observe(item)
         for action in self.machine.handle(item, self.clock()):
             self._do(action)
 
@@ -251,6 +263,8 @@ class Daemon:
                 )
             case Launch():
                 self.launcher.launch(action, before=self.pump.new_launch)
+                if self.launcher.child is not None and self.launcher.child.launch == action.launch:
+                    self.recorder.launched(action.launch, action.profile, self.clock())
             case StartProbe():
                 self._spawn(self._probe(action))
             case StopChild():
@@ -265,7 +279,18 @@ class Daemon:
             case NotifyReady():
                 self.notifier.ready(self.status_line())
             case RecordRestart():
-                self.observed.restart(action, self.pump.tail())
+                tail = self.pump.tail()
+                self.observed.restart(action, tail)
+                self.observed.incident_written(
+                    self.recorder.record(
+                        action.reason.value,
+                        action.detail,
+                        action.exit_code,
+                        action.signal,
+                        tail,
+                        self.observed.gpu_status(),
+                    )
+                )
             case ProfileChanged():
                 self.observed.profile(action.old, action.new)
             case CheckIntent():
@@ -285,6 +310,17 @@ class Daemon:
             case Exit():
                 self._exit_code = 1 if self._internal_error else action.code
 
+    def _observe(self, item: Event) -> None:
+        """The load timeline's marks that come as events (docs/incidents.md)."""
+        child = self.launcher.child
+        if child is None or getattr(item, "launch", None) != child.launch:
+            return
+        match item:
+            case PortOpen():
+                self.recorder.port_open(self.clock())
+            case ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
+                self.metrics.set_load_phases(self.recorder.probe_ok(self.clock()))
+
     def _cancel_timer(self, name: TimerName) -> None:
         handle = self._timers.pop(name, None)
         if handle is not None:
@@ -303,6 +339,8 @@ class Daemon:
         info, mismatches = await probing.check_intent(
             self.fx.http, self.cfg, self.launcher.spec, action.probe.meta
         )
+        if info is not None:
+            self.recorder.server_info(info)
         self.observed.intent_checked(info, mismatches)
 
     async def _read_config(self) -> _Read:
@@ -312,6 +350,7 @@ class Daemon:
         """A changed configuration replaces the running one, everywhere it is read."""
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
         self.pump.configure(new)
+        self.recorder.reconfigure(new)
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic

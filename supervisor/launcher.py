@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor import command, log
 from supervisor.command import LaunchSpec
@@ -34,6 +34,9 @@ from supervisor.machine import (
 )
 from supervisor.observed import Observed
 from supervisor.process import Child, ProcessOwner, wait_port_open
+
+if TYPE_CHECKING:
+    from supervisor.recorder import IncidentRecorder
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
@@ -61,6 +64,8 @@ class Launcher:
         self.spec: LaunchSpec = command.build(cfg)  # the current launch's command line
         self._port_watch: asyncio.Task[Any] | None = None
         self._tree_watch: asyncio.Task[Any] | None = None
+        # Takes the stacks of a live, broken launch before its kill (set by the daemon).
+        self.recorder: IncidentRecorder | None = None
 
     def launch(self, action: Launch, before: Callable[[], None]) -> None:
         spec = self.spec = command.build(self.cfg, action.profile)
@@ -127,6 +132,8 @@ class Launcher:
             return
 
         async def stop() -> None:
+            if not action.graceful:
+                await self._before_kill(child)
             info = await self.owner.stop(child, action.graceful, self.cfg.stop.drain_timeout)
             if info.stuck:
                 self.log.error("processes survive SIGKILL (D state?)", pids=list(info.stuck))
@@ -137,6 +144,24 @@ class Launcher:
 
         child.stop_begun = True
         self.spawn(stop())
+
+    async def _before_kill(self, child: Child) -> None:
+        """Stacks of every process of the launch while they still exist, within
+        incidents.dump_timeout; the recorder decides whether the reason is worth a dump."""
+        if self.recorder is None:
+            return
+        self.owner.refresh_tree(child)  # a worker forked since the last tree scan
+        reason = self.ctx.pending.value if self.ctx.pending is not None else "stop"
+        pids = [child.pid, *sorted(i.pid for i in child.known if i.pid != child.pid)]
+        cap = await self.recorder.before_kill(reason, pids)
+        if cap is not None:
+            self.log.info(
+                "stacks taken before the kill",
+                seconds=round(cap.seconds, 3),
+                dumped=sum(s.ok for s in cap.stacks),
+                processes=len(cap.stacks),
+                reason=cap.reason,
+            )
 
     async def teardown(self) -> None:
         """Whatever ended the loop, the current launch is stopped unless its stop completed

@@ -35,8 +35,11 @@ class LogPump:
         metrics: Metrics,
         clock: Callable[[], float],
         emit: Callable[[Event], None],
+        on_line: Callable[[str, float], None] | None = None,
     ) -> None:
         self.metrics = metrics
+        # Every line with the time it was read (the load timeline, recorder.line).
+        self.on_line = on_line
         self.clock = clock
         self.emit = emit
         self.log = log.get()
@@ -70,8 +73,11 @@ class LogPump:
             )
             self.metrics.log_suppressed.inc(self._suppressed)
             self._suppressed = 0
+        on_line = self.on_line
         for line in lines:
             verdict = self.scanner.feed(line)
+            if on_line is not None:
+                on_line(line, now)
             if tokens >= 1.0:
                 tokens -= 1.0
                 level = guess_level(line)

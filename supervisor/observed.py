@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor import __version__, intent, log, nvml
 from supervisor.config import Config
@@ -27,6 +27,10 @@ from supervisor.metrics import Metrics
 from supervisor.nvml import Nvml
 from supervisor.probe import ProbeResult
 from supervisor.process import Child
+
+if TYPE_CHECKING:
+    from supervisor.incidents import Written
+    from supervisor.recorder import IncidentRecorder
 
 EVENTS_KEPT = 50
 GPU_CACHE_S = 2.0
@@ -58,6 +62,8 @@ class Observed:
         self.host: dict[str, Any] = {}
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
+        self.recorder: IncidentRecorder | None = None
         metrics.set_gpu_source(self.gpu_status)
 
     # ------------------------------------------------------------------ fed by actions
@@ -109,6 +115,20 @@ class Observed:
             signal=action.signal,
             log_tail=tail[-30:],
         )
+
+    def incident_written(self, written: Written | None) -> None:
+        """The incident of the restart just recorded: /status.last_restart.incident."""
+        if written is None:  # a restart somebody asked for
+            return
+        if self.last_restart is not None:
+            self.last_restart["incident"] = None if written.path is None else str(written.path)
+        if written.error:
+            self.log.error("cannot write the incident", error=written.error)
+        elif written.skipped:
+            path = str(written.path)
+            self.log.warning("incident written without", path=path, skipped=written.skipped)
+        else:
+            self.log.info("incident written", path=str(written.path))
 
     def profile(self, old: str | None, new: str) -> None:
         if old is not None:
@@ -256,6 +276,7 @@ class Observed:
             "restarts": self.metrics.restart_counts(),
             "last_restart": self.last_restart,
             "last_probe": self.last_probe,
+            "last_load": None if self.recorder is None else self.recorder.last_load,
             "liveness_failures": ctx.liveness_failures,
             "gpus": self.gpu_status(),
             "host": self.host,

@@ -30,7 +30,10 @@ from supervisor.loadphases import LoadTimeline
 # Restarts somebody asked for leave no incident (contract: "every restart nobody asked for").
 REQUESTED = frozenset({"manual", "reload"})
 # Reasons for which SGLang's processes are alive when the restart is decided: worth a dump.
-ALIVE_REASONS = frozenset({"liveness_failed", "load_timeout", "fatal_log", "readiness_failed"})
+# A GPU fault (an Xid while serving) leaves the processes alive, stuck where the GPU failed them.
+ALIVE_REASONS = frozenset(
+    {"liveness_failed", "load_timeout", "fatal_log", "readiness_failed", "gpu_fault"}
+)
 
 
 @dataclass

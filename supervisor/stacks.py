@@ -234,6 +234,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except (psutil.Error, OSError):
+        return False
+
+
 def _spawn(argv: list[str], out: int) -> subprocess.Popen[bytes]:
     # Synchronous on purpose: the ambient capability is raised, py-spy forked and the capability
     # lowered with no await in between, so nothing else the loop starts meanwhile (SGLang)
@@ -317,8 +324,13 @@ async def _dump_one(pid: int, deadline: float, py_spy: str, native: bool) -> Pro
     # so it gets part of the budget only; the Python-only dump keeps the rest.
     text = ""
     loop = asyncio.get_running_loop()
-    for use_native in (True, False) if native else (False,):
+    # A stopped process (SIGSTOP, job control) cannot be paused again: py-spy's ptrace
+    # interrupt meets the group stop and fails at once ("Failed to suspend process"). It cannot
+    # change while stopped, so its memory is read as it is (--nonblocking: no native frames).
+    stopped = _stopped(pid)
+    for use_native in (True, False) if native and not stopped else (False,):
         argv = [py_spy, "dump", "--pid", str(pid)] + (["--native"] if use_native else [])
+        argv += ["--nonblocking"] if stopped else []
         until = loop.time() + NATIVE_SHARE * (deadline - loop.time()) if use_native else deadline
         try:
             code, text = await _run(argv, until)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -280,3 +281,15 @@ async def test_a_native_dump_that_hangs_leaves_time_for_a_python_one(
     assert one.ok and not one.native, one
     assert "wedged_in_all_reduce" in one.text
     assert time.monotonic() - started < 2.0 + 1.0
+
+
+async def test_a_stopped_process_is_read_without_pausing_it(hung_child: Spawn) -> None:
+    # SIGSTOP is how a test (or an operator) freezes a server; py-spy's pause fails on it.
+    proc = hung_child()
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        cap = await capture([proc.pid], timeout=10.0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert cap.ok, render(cap)
+    assert "wedged_in_all_reduce" in cap.stacks[0].text and not cap.stacks[0].native

@@ -565,3 +565,59 @@ def test_the_admin_token_file_is_the_service_users_alone(box: Box) -> None:
     assert token_file in journal and "admin request denied" in journal
     # The unit is the same daemon: an admin restart restarts SGLang, not the unit.
     assert kimi.show("MainPID", "NRestarts") == {"MainPID": str(main), "NRestarts": "0"}
+
+
+# ------------------------------------------------------------------------------- incidents
+
+
+def _caps(box: Box, pid: int) -> dict[str, int]:
+    text = box.run("cat", f"/proc/{pid}/status", check=True).stdout
+    return {
+        k: int(v.split()[0], 16)
+        for k, _, v in (line.partition(":") for line in text.splitlines())
+        if k.startswith("Cap")
+    }
+
+
+def test_a_hang_under_the_shipped_unit_leaves_stacks_and_sglang_holds_no_capability(
+    box: Box,
+) -> None:
+    # As the shipped non-root user would: only what the unit gives (docs/systemd.md).
+    kimi = kimi_serve(
+        box,
+        env={"STANDIN_FAULT": "decode-hang", "STANDIN_FAULT_LAUNCH": "1"},
+        extra="SecureBits=noroot noroot-locked\n",
+        debug=False,
+        # Time to look at the launch before its first liveness probe hangs.
+        liveness={"interval": "5s", "timeout": "1s", "failure_threshold": 2},
+    )
+    kimi.start()
+    status = kimi.status()
+    assert status["state"] == "ready" and status["child"]["launch"] == 1, status
+    launch1 = status["child"]
+    assert len(launch1["processes"]) >= 3, launch1  # main and two ranks at least
+    ptrace = 1 << 19  # CAP_SYS_PTRACE
+    daemon = _caps(box, kimi.main_pid())
+    assert daemon["CapPrm"] == ptrace and daemon["CapInh"] == ptrace, daemon
+    for pid in launch1["processes"]:  # SGLang inherits nothing (stacks.confine())
+        caps = _caps(box, pid)
+        assert caps["CapAmb"] == 0 and caps["CapPrm"] == 0 and caps["CapEff"] == 0, (pid, caps)
+
+    def restarted() -> dict[str, Any] | None:
+        status = kimi.status()
+        last = status.get("last_restart")
+        return status if last and status["child"] and status["child"]["launch"] == 2 else None
+
+    status = box.wait_for(restarted, timeout=60, what="the liveness restart")
+    last = status["last_restart"]
+    assert last["reason"] == "liveness_failed", last
+    inc = last["incident"]
+    assert inc.startswith("/var/lib/kimi-serve/incidents/"), inc
+    doc = json.loads(box.run("cat", f"{inc}/incident.json", check=True).stdout)
+    assert doc["stacks"]["taken"] is True, doc["stacks"]
+    dumped = {p["pid"] for p in doc["stacks"]["processes"] if p["ok"]}
+    assert set(launch1["processes"]) <= dumped, doc["stacks"]
+    assert "decode_step_hung" in box.run("cat", f"{inc}/stacks.txt", check=True).stdout
+    shown = box.run("kimi-serve", "incidents", "show", "last", "--config", kimi.config_path)
+    assert shown.returncode == 0 and "decode_step_hung" in shown.stdout, shown.stdout
+    box.systemctl("stop", UNIT_NAME, check=True, timeout=60)

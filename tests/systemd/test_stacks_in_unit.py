@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from supervisor.stacks import CAP_SYS_PTRACE, NO_PRIVILEGE
+from testkit.box import Box
 
-from .box import Box
 from .kimi import UNIT_NAME, install_kimi_serve
 
 DRIVER = Path(__file__).with_name("stack_driver.py")
