@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, startup
+from supervisor import admin, admin_token, host, log, probing, reload, router, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -29,6 +29,7 @@ from supervisor.machine import (
     CheckIntent,
     CleanHost,
     ConfigRead,
+    DrainRequested,
     Event,
     Exit,
     Launch,
@@ -42,6 +43,8 @@ from supervisor.machine import (
     RecordRestart,
     ReloadRequested,
     RestartRequested,
+    RouterDeregister,
+    RouterRegister,
     SetTimer,
     Start,
     StartProbe,
@@ -51,6 +54,7 @@ from supervisor.machine import (
     TimerFired,
     TimerName,
     Transitioned,
+    UndrainRequested,
     Verdict,
     extends_job,
     watches_end,
@@ -90,9 +94,17 @@ class Daemon:
         self.machine = Machine(cfg, self.clock())
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.observed = Observed(cfg, self.machine.ctx, fx.metrics, fx.clock, fx.wall)
+        self.router = self.observed.router = router.link_for(cfg, self.log, fx.metrics)
         self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit)
         self.launcher = Launcher(
-            cfg, self.machine.ctx, fx.owner, fx.store, self.observed, self.emit, self._spawn
+            cfg,
+            self.machine.ctx,
+            fx.owner,
+            fx.store,
+            self.observed,
+            self.emit,
+            self._spawn,
+            self.router,
         )
         fx.owner.bind(self.pump.lines, self.launcher.exited)
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
@@ -125,8 +137,20 @@ class Daemon:
             code = await self._prepare()
             if code is not None:
                 return code
+            if self.router is not None:
+                # Whatever a previous run left in the router's list is not decode-verified.
+                self.router.begin_deregister("startup")
+            on_drain, on_undrain = router.drain_ops(
+                self.router, self.request_drain, self.request_undrain
+            )
             try:
-                shutdown_admin = await admin.start(self, self.cfg.admin.host, self.cfg.admin.port)
+                shutdown_admin = await admin.start(
+                    self,
+                    self.cfg.admin.host,
+                    self.cfg.admin.port,
+                    on_drain=on_drain,
+                    on_undrain=on_undrain,
+                )
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
@@ -184,6 +208,7 @@ class Daemon:
         if shutdown_admin is not None:
             with contextlib.suppress(Exception):
                 await shutdown_admin()
+        await router.close_link(self.router)
         await self.fx.http.aclose()
         if self.nvml is not None:
             with contextlib.suppress(Exception):
@@ -282,6 +307,12 @@ class Daemon:
                     self.notifier.ready(line)
                 else:
                     self.notifier.status(line)
+            case RouterRegister():
+                if self.router is not None:
+                    self.router.want_registered()
+            case RouterDeregister():
+                if self.router is not None:
+                    self.router.begin_deregister(action.reason, action.wait_idle)
             case Exit():
                 self._exit_code = 1 if self._internal_error else action.code
 
@@ -351,6 +382,19 @@ class Daemon:
         refused = self.machine.refuse_restart()
         if refused is None:
             self.emit(RestartRequested(Reason.MANUAL))
+        return refused
+
+    def request_drain(self) -> str | None:
+        # Dispatched here, not queued: the deregistration must have begun when /drain awaits it.
+        refused = self.machine.drain_refusal()
+        if refused is None:
+            self.dispatch(DrainRequested())
+        return refused
+
+    def request_undrain(self) -> str | None:
+        refused = self.machine.undrain_refusal()
+        if refused is None:
+            self.dispatch(UndrainRequested())
         return refused
 
     def status_line(self) -> str:

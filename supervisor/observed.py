@@ -27,6 +27,7 @@ from supervisor.metrics import Metrics
 from supervisor.nvml import Nvml
 from supervisor.probe import ProbeResult
 from supervisor.process import Child
+from supervisor.router import RouterLink
 
 EVENTS_KEPT = 50
 GPU_CACHE_S = 2.0
@@ -57,6 +58,7 @@ class Observed:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.host: dict[str, Any] = {}
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
+        self.router: RouterLink | None = None  # set by the daemon when router.url is set
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         metrics.set_gpu_source(self.gpu_status)
 
@@ -261,4 +263,5 @@ class Observed:
             "host": self.host,
             "intent": self.intent,
             "events": list(self.events),
+            "router": None if self.router is None else self.router.status(),
         }
