@@ -1,7 +1,7 @@
 """The real `kimi-serve run` against the real SGLang 0.5.23 server on this CPU.
 
 The server side (environment, tiny model, CPU flags, fault hook) is tests/realsglang/server.py
-and tools/sglang-env; the daemon side is tests/integration/harness.py, unchanged: the daemon's
+and tools/sglang-env; the daemon side is testkit/daemon.py, unchanged: the daemon's
 JSON log lines on a queue, `wait_state()` blocking on them. Each launch of the real server
 costs 20-60 s on two cores, so one daemon serves a whole module (`module_daemon`), and the
 tests of a module run in file order against it.
@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.integration import harness
+from testkit import daemon as harness
 from tests.realsglang import server as real
 
 # SGLang's serving flags on a CPU (server.SERVER_FLAGS) as config args.
@@ -98,7 +98,7 @@ def sgl() -> real.SGLangEnv:
 class Real:
     """A running daemon with a real SGLang under it."""
 
-    d: harness.Daemon
+    d: harness.DaemonProcess
     tmp: Path
 
     @property
