@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from bench.loadgen import LoadGenerator, Stats
-from testkit.daemon import DaemonProcess
+from testkit.daemon import BIN, DaemonProcess
 from testkit.fleet import (
     ListWatch,
     event_time,
@@ -234,3 +235,34 @@ async def test_router_down_then_up_registers_again(tmp_path: Path) -> None:
             assert a.status()["state"] == "ready"
     finally:
         router.cleanup()
+
+
+def cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN), *args, "--config", str(d.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_drain_and_undrain_commands(fleet_router: RouterProcess, tmp_path: Path) -> None:
+    cfg = replica_config(tmp_path / "a", fleet_router.url)
+    with replicas((tmp_path / "a", cfg)) as (a,):
+        await ready_and_registered(a)
+        refused = await asyncio.to_thread(cli, a, "undrain")
+        assert refused.returncode == 1 and "not draining" in refused.stdout + refused.stderr
+        drained = await asyncio.to_thread(cli, a, "drain")
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        # Answered only once the router's list confirms the removal and SGLang is idle.
+        assert worker_url(cfg) not in fleet_router.urls()
+        status = a.status()
+        assert status["state"] == "draining"
+        assert status["router"]["registered"] is False
+        assert status["router"]["last_drain"]["idle"] is True
+        assert a.get("/readyz").status_code == 503
+        undrained = await asyncio.to_thread(cli, a, "undrain")
+        assert undrained.returncode == 0, undrained.stdout + undrained.stderr
+        await until("registered again", lambda: registered(a))
+        assert worker_url(cfg) in fleet_router.urls()
+        assert a.get("/readyz").status_code == 200
