@@ -32,7 +32,13 @@ def fleet(tmp: Path, sgl: real.SGLangEnv, router: RouterProcess) -> Iterator[tup
         pair = []
         for name in ("a", "b"):
             (tmp / name).mkdir()
-            cfg = daemon_config(tmp / name, sgl, router={"url": router.url, "drain_timeout": "20s"})
+            cfg = daemon_config(
+                tmp / name,
+                sgl,
+                router={"url": router.url, "drain_timeout": "20s"},
+                # Two real servers loading at once on two shared cores.
+                readiness={"load_timeout": f"{2 * LOAD_TIMEOUT:g}s"},
+            )
             pair.append(stack.enter_context(real_daemon(tmp / name, cfg)))
         yield pair[0], pair[1]
 
@@ -52,7 +58,7 @@ async def test_manual_restart_behind_the_router_fails_nothing(
     try:
         with fleet(tmp_path, sgl, router) as (a, b):
             await asyncio.gather(
-                until_registered(a, LOAD_TIMEOUT), until_registered(b, LOAD_TIMEOUT)
+                until_registered(a, 2 * LOAD_TIMEOUT), until_registered(b, 2 * LOAD_TIMEOUT)
             )
             load = await LoadGenerator(
                 router.url, concurrency=2, stream_every=2, max_new_tokens=8, timeout=120
@@ -62,7 +68,7 @@ async def test_manual_restart_behind_the_router_fails_nothing(
                 since = load.mark("restart")
                 assert b.d.post("/restart").status_code == 202
                 await asyncio.to_thread(b.d.wait_state, "restarting", 30)
-                await until_registered(b, LOAD_TIMEOUT)
+                await until_registered(b, 2 * LOAD_TIMEOUT)
                 await load.wait_for(len(load.outcomes) + 6, timeout=120)
             finally:
                 stats = await load.stop()
