@@ -96,7 +96,13 @@ class Replica:
         self.port = free_port()
         # The same decode speed as the coupled replicas (testkit/fleet.py): 16 tokens take
         # 0.3 s, so streams are in flight when a replica is stopped.
-        self.env = {"STANDIN_DECODE_SECONDS_PER_TOKEN": "0.02", **(env or {})}
+        # Every request on arrival, hung ones included (docs/standin.md): what reached it.
+        self.request_log = tempfile.mkstemp(prefix="fleet-requests-", suffix=".jsonl")[1]
+        self.env = {
+            "STANDIN_DECODE_SECONDS_PER_TOKEN": "0.02",
+            "STANDIN_REQUEST_LOG": self.request_log,
+            **(env or {}),
+        }
         self.proc: Standin | None = None
         self.history: list[str] = []
 
@@ -122,9 +128,14 @@ class Replica:
         self.proc.cleanup()
         self.start()
 
+    def user_arrivals(self) -> list[float]:
+        return user_arrivals({"sglang": {"env": {"STANDIN_REQUEST_LOG": self.request_log}}})
+
     def cleanup(self) -> None:
         if self.proc is not None:
             self.proc.cleanup()
+        with contextlib.suppress(OSError):
+            os.unlink(self.request_log)
 
 
 async def _register(router: RouterProcess, url: str) -> None:
@@ -197,9 +208,14 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
             out_after = await _listed_until(router, b.url, s.watch_s)
         finally:
             stats = await load.stop()
+        # From its first decode (seed incident) or the decode after HANG_AFTER (hang): the
+        # user requests that reached the broken replica while the router listed it.
+        arrivals = b.user_arrivals()
+        hang = fault is HANG
+        broke = arrivals[HANG_AFTER] if hang and len(arrivals) > HANG_AFTER else began
         return {
             **stats.to_dict(),
-            "served_by_broken": served(b.lines()),
+            "served_by_broken": len([t for t in arrivals if t >= broke]),
             "listed_s": round(out_after, 2) if out_after is not None else f">{s.watch_s:g}",
             "after_broken": load.stats(since=began).to_dict(),
         }
@@ -339,7 +355,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                     ),
                     s.watch_s + 60,
                 )
-                verified = time.time()
+                verified = float(b.status()["since"])  # when it entered ready
                 await asyncio.sleep(s.after_s)
             finally:
                 stats = await load.stop()
