@@ -20,8 +20,8 @@ Per approach, with the load generator (bench.loadgen) running for the whole scen
 - `hung`: the second replica's decode hangs after a few requests (/health still 200);
   seconds it stays in the list after the hang began, requests failed meanwhile.
 
-Streams: the stand-in does not stream (docs/standin.md), so `--streams` is off by default;
-with it every Nth request streams and `streams_cut` is counted.
+Every 2nd request streams (the stand-in answers SGLang's server-sent events) and
+`streams_cut` is counted; `--no-streams` sends plain requests only.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Any
 
 import httpx
 import yaml
-from tests.integration.harness import base_config
 
 from bench.loadgen import LoadGenerator
+from testkit.fleet import ListWatch, replica_config, user_arrivals
 from tests.router.harness import RouterProcess, free_port
 from tests.standin.harness import Standin
 
@@ -94,7 +94,15 @@ class Replica:
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
-        self.env = dict(env or {})
+        # The same decode speed as the coupled replicas (testkit/fleet.py): 16 tokens take
+        # 0.3 s, so streams are in flight when a replica is stopped.
+        # Every request on arrival, hung ones included (docs/standin.md): what reached it.
+        self.request_log = tempfile.mkstemp(prefix="fleet-requests-", suffix=".jsonl")[1]
+        self.env = {
+            "STANDIN_DECODE_SECONDS_PER_TOKEN": "0.02",
+            "STANDIN_REQUEST_LOG": self.request_log,
+            **(env or {}),
+        }
         self.proc: Standin | None = None
         self.history: list[str] = []
 
@@ -120,9 +128,14 @@ class Replica:
         self.proc.cleanup()
         self.start()
 
+    def user_arrivals(self) -> list[float]:
+        return user_arrivals({"sglang": {"env": {"STANDIN_REQUEST_LOG": self.request_log}}})
+
     def cleanup(self) -> None:
         if self.proc is not None:
             self.proc.cleanup()
+        with contextlib.suppress(OSError):
+            os.unlink(self.request_log)
 
 
 async def _register(router: RouterProcess, url: str) -> None:
@@ -195,9 +208,14 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
             out_after = await _listed_until(router, b.url, s.watch_s)
         finally:
             stats = await load.stop()
+        # From its first decode (seed incident) or the decode after HANG_AFTER (hang): the
+        # user requests that reached the broken replica while the router listed it.
+        arrivals = b.user_arrivals()
+        hang = fault is HANG
+        broke = arrivals[HANG_AFTER] if hang and len(arrivals) > HANG_AFTER else began
         return {
             **stats.to_dict(),
-            "served_by_broken": served(b.lines()),
+            "served_by_broken": len([t for t in arrivals if t >= broke]),
             "listed_s": round(out_after, 2) if out_after is not None else f">{s.watch_s:g}",
             "after_broken": load.stats(since=began).to_dict(),
         }
@@ -208,11 +226,7 @@ class _Daemon:
 
     def __init__(self, tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        self.cfg = base_config(
-            tmp,
-            sglang={"env": dict(env)},
-            router={"url": router.url, "drain_timeout": "5s"},
-        )
+        self.cfg = replica_config(tmp, router.url, env)
         self.path = tmp / "kimi-serve.yaml"
         self.path.write_text(yaml.safe_dump(self.cfg))
         exe = Path(sys.executable).with_name("kimi-serve")
@@ -224,17 +238,30 @@ class _Daemon:
         self.url = f"http://127.0.0.1:{self.cfg['sglang']['port']}"
 
     def status(self) -> dict[str, Any]:
-        doc: dict[str, Any] = httpx.get(self.admin + "/status", timeout=5).json()
+        token = Path(self.cfg["state_dir"]) / "admin.token"
+        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
+        doc: dict[str, Any] = httpx.get(
+            self.admin + "/status", timeout=5, headers=headers, trust_env=False
+        ).json()
         return doc
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
+            # OSError: the admin token is written once the daemon has started.
+            with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
                 if pred(self.status()):
                     return
             time.sleep(0.1)
         raise TimeoutError("the daemon did not get there")
+
+    def restart(self) -> None:
+        token = Path(self.cfg["state_dir"]) / "admin.token"
+        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
+        r = httpx.post(self.admin + "/restart", headers=headers, timeout=5, trust_env=False)
+        r.raise_for_status()
+        # Out of ready first, so the wait for ready below is for the new launch.
+        self.wait(lambda doc: doc.get("state") != "ready", 10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -266,11 +293,7 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
-            token = daemons[1].cfg.get("admin", {}).get("token_file")
-            headers = (
-                {"Authorization": f"Bearer {Path(token).read_text().strip()}"} if token else {}
-            )
-            httpx.post(daemons[1].admin + "/restart", headers=headers, timeout=5)
+            await asyncio.to_thread(daemons[1].restart)
             await asyncio.to_thread(
                 daemons[1].wait,
                 lambda doc: (
@@ -289,7 +312,80 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
 
 
 SEED = {"STANDIN_FAULT": "seed-incident", "STANDIN_CRASH_SLEEP_SECONDS": "65"}
-HANG = {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": "20"}
+HANG_AFTER = 20
+HANG = {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": str(HANG_AFTER)}
+# Under kimi-serve the fault is the first launch's: the replica it restarts is sound.
+FIRST = {"STANDIN_FAULT_LAUNCH": "1"}
+
+
+def _arrivals(cfg: Mapping[str, Any]) -> list[float]:
+    """Every /generate that reached the replica (probes too), in order of arrival."""
+    path = Path(cfg["sglang"]["env"]["STANDIN_REQUEST_LOG"])
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sorted(json.loads(line)["t"] for line in lines)
+
+
+async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> dict[str, Any]:
+    """The second replica's first launch is broken (seed incident) or hangs after HANG_AFTER
+    decodes; kimi-serve runs both. Counted: user requests that reached the broken launch, and
+    seconds it stayed listed once broken."""
+    router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
+    hang = fault is HANG
+    a = _Daemon(tmp / "a", router, {})
+    b: _Daemon | None = None
+    try:
+        await asyncio.to_thread(
+            a.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+        )
+        with ListWatch(router.url) as watch:
+            load = await LoadGenerator(
+                router.url, concurrency=s.concurrency, stream_every=s.stream_every
+            ).start()
+            try:
+                await asyncio.sleep(s.warm_s)
+                began = load.mark("broken replica started")
+                b = _Daemon(tmp / "b", router, {**fault, **FIRST})
+                # Sound again: the second launch is decode-verified and registered.
+                await asyncio.to_thread(
+                    b.wait,
+                    lambda doc: (
+                        doc.get("state") == "ready"
+                        and (doc.get("restarts") or {}) != {}
+                        and bool((doc.get("router") or {}).get("registered"))
+                    ),
+                    s.watch_s + 60,
+                )
+                verified = float(b.status()["since"])  # when it entered ready
+                await asyncio.sleep(s.after_s)
+            finally:
+                stats = await load.stop()
+        url = b.url
+        if hang:
+            # The hang begins with the decode after HANG_AFTER (probes count); it ends when
+            # the router stops listing the replica.
+            every = _arrivals(b.cfg)
+            broke = every[HANG_AFTER] if len(every) > HANG_AFTER else began
+            out = watch.first_unlisted_after(url, broke)
+            end = out if out is not None else verified
+            listed_s = end - broke
+        else:
+            # Broken from its first decode until its second launch is decode-verified: what
+            # the router listed meanwhile.
+            broke, end = began, verified
+            listed = [at for at, urls in watch.history if broke <= at < end and url in urls]
+            listed_s = (end - listed[0]) if listed else 0.0
+        reached = [t for t in user_arrivals(b.cfg) if broke <= t < end]
+        return {
+            **stats.to_dict(),
+            "served_by_broken": len(reached),
+            "listed_s": round(listed_s, 2),
+            "verified_after_s": round(verified - began, 2),
+        }
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.stop()
+        router.cleanup()
 
 
 async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
@@ -300,6 +396,8 @@ async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
             if approach == KIMI:
                 with tempfile.TemporaryDirectory(prefix="kimi-fleet-") as tmp:
                     out["planned_restart"] = await planned_restart_coupled(s, Path(tmp))
+                    out["broken"] = await broken_coupled(s, Path(tmp) / "seed", SEED)
+                    out["hung"] = await broken_coupled(s, Path(tmp) / "hang", HANG)
             else:
                 out["planned_restart"] = await planned_restart_uncoupled(approach, s)
                 out["broken"] = await broken_uncoupled(approach, s, SEED)
@@ -314,7 +412,12 @@ async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--streams", action="store_true", help="every 2nd request streams")
+    p.add_argument(
+        "--streams",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every 2nd request streams",
+    )
     p.add_argument("--only", default=",".join(APPROACHES))
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)

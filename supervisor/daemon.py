@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, stacks, startup
+from supervisor import admin, admin_token, host, log, probing, reload, router, stacks, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -29,6 +29,7 @@ from supervisor.machine import (
     CheckIntent,
     CleanHost,
     ConfigRead,
+    DrainRequested,
     Event,
     Exit,
     Launch,
@@ -45,6 +46,8 @@ from supervisor.machine import (
     RecordRestart,
     ReloadRequested,
     RestartRequested,
+    RouterDeregister,
+    RouterRegister,
     SetTimer,
     Start,
     StartProbe,
@@ -54,6 +57,7 @@ from supervisor.machine import (
     TimerFired,
     TimerName,
     Transitioned,
+    UndrainRequested,
     Verdict,
     extends_job,
     watches_end,
@@ -98,8 +102,16 @@ class Daemon:
         self.recorder = IncidentRecorder(cfg, wall=fx.wall)
         self.observed.recorder = self.recorder
         self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self.recorder.line)
+        self.router = self.observed.router = router.link_for(cfg, self.log, fx.metrics)
         self.launcher = Launcher(
-            cfg, self.machine.ctx, fx.owner, fx.store, self.observed, self.emit, self._spawn
+            cfg,
+            self.machine.ctx,
+            fx.owner,
+            fx.store,
+            self.observed,
+            self.emit,
+            self._spawn,
+            self.router,
         )
         self.launcher.recorder = self.recorder
         fx.owner.bind(self.pump.lines, self.launcher.exited)
@@ -136,8 +148,20 @@ class Daemon:
             code = await self._prepare()
             if code is not None:
                 return code
+            if self.router is not None:
+                # Whatever a previous run left in the router's list is not decode-verified.
+                self.router.begin_deregister("startup")
+            on_drain, on_undrain = router.drain_ops(
+                self.router, self.request_drain, self.request_undrain
+            )
             try:
-                shutdown_admin = await admin.start(self, self.cfg.admin.host, self.cfg.admin.port)
+                shutdown_admin = await admin.start(
+                    self,
+                    self.cfg.admin.host,
+                    self.cfg.admin.port,
+                    on_drain=on_drain,
+                    on_undrain=on_undrain,
+                )
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
@@ -195,6 +219,7 @@ class Daemon:
         if shutdown_admin is not None:
             with contextlib.suppress(Exception):
                 await shutdown_admin()
+        await router.close_link(self.router)
         await self.fx.http.aclose()
         if self.nvml is not None:
             with contextlib.suppress(Exception):
@@ -307,6 +332,12 @@ class Daemon:
                     self.notifier.ready(line)
                 else:
                     self.notifier.status(line)
+            case RouterRegister():
+                if self.router is not None:
+                    self.router.want_registered()
+            case RouterDeregister():
+                if self.router is not None:
+                    self.router.begin_deregister(action.reason, action.wait_idle)
             case Exit():
                 self._exit_code = 1 if self._internal_error else action.code
 
@@ -390,6 +421,19 @@ class Daemon:
         refused = self.machine.refuse_restart()
         if refused is None:
             self.emit(RestartRequested(Reason.MANUAL))
+        return refused
+
+    def request_drain(self) -> str | None:
+        # Dispatched here, not queued: the deregistration must have begun when /drain awaits it.
+        refused = self.machine.drain_refusal()
+        if refused is None:
+            self.dispatch(DrainRequested())
+        return refused
+
+    def request_undrain(self) -> str | None:
+        refused = self.machine.undrain_refusal()
+        if refused is None:
+            self.dispatch(UndrainRequested())
         return refused
 
     def status_line(self) -> str:

@@ -34,6 +34,7 @@ from supervisor.machine import (
 )
 from supervisor.observed import Observed
 from supervisor.process import Child, ProcessOwner, wait_port_open
+from supervisor.router import RouterLink
 
 if TYPE_CHECKING:
     from supervisor.recorder import IncidentRecorder
@@ -51,6 +52,7 @@ class Launcher:
         observed: Observed,
         emit: Callable[[Event], None],
         spawn: Spawn,
+        router: RouterLink | None = None,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx  # read only: the profile and whether the launch is still starting
@@ -59,6 +61,7 @@ class Launcher:
         self.observed = observed
         self.emit = emit
         self.spawn = spawn
+        self.router = router  # a stop waits until the router no longer sends to this SGLang
         self.log = log.get()
         self.child: Child | None = None
         self.spec: LaunchSpec = command.build(cfg)  # the current launch's command line
@@ -132,6 +135,13 @@ class Launcher:
             return
 
         async def stop() -> None:
+            if self.router is not None:
+                # The machine's RouterDeregister came just before; a second SIGTERM (hurry)
+                # stops waiting for it.
+                settled = asyncio.ensure_future(self.router.settled())
+                hurried = asyncio.ensure_future(child.hurry.wait())
+                await asyncio.wait((settled, hurried), return_when=asyncio.FIRST_COMPLETED)
+                hurried.cancel()
             if not action.graceful:
                 await self._before_kill(child)
             info = await self.owner.stop(child, action.graceful, self.cfg.stop.drain_timeout)

@@ -27,6 +27,7 @@ from supervisor.metrics import Metrics
 from supervisor.nvml import Nvml
 from supervisor.probe import ProbeResult
 from supervisor.process import Child
+from supervisor.router import RouterLink
 
 if TYPE_CHECKING:
     from supervisor.incidents import Written
@@ -61,6 +62,7 @@ class Observed:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.host: dict[str, Any] = {}
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
+        self.router: RouterLink | None = None  # set by the daemon when router.url is set
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None
@@ -282,4 +284,5 @@ class Observed:
             "host": self.host,
             "intent": self.intent,
             "events": list(self.events),
+            "router": None if self.router is None else self.router.status(),
         }

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config import RouterConfig
+from supervisor import admin
+from supervisor.config import Config, RouterConfig
 
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
 
@@ -673,3 +674,43 @@ async def answer_undrain(link: RouterLink | None, request: Callable[[], str | No
     return DrainAnswer(
         200, {"undrained": True, "router": link.status() if link is not None else None}
     )
+
+
+# ---------------------------------------------------------------------- the daemon's link
+
+
+def link_for(cfg: Config, log: Log, metrics: RouterMetrics) -> RouterLink | None:
+    """The daemon's link, or None without router.url. Its own HTTP client: a router that hangs
+    must not hold connections the probes need."""
+    if cfg.router.url is None:
+        return None
+    sglang_url = f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+    client = httpx.AsyncClient(trust_env=False)
+    return RouterLink(cfg.router, client, log, metrics, sglang_url=sglang_url)
+
+
+async def close_link(link: RouterLink | None) -> None:
+    """At the daemon's teardown: a last pending deregistration (bounded), then the client."""
+    if link is None:
+        return
+    with contextlib.suppress(Exception):
+        await link.close()
+    with contextlib.suppress(Exception):
+        await link.client.aclose()
+
+
+def drain_ops(
+    link: RouterLink | None,
+    drain: Callable[[], str | None],
+    undrain: Callable[[], str | None],
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The admin endpoint's on_drain / on_undrain: 409 (admin.Refused) when the machine
+    refuses, else the answer once the router work is done (drain) or started (undrain)."""
+
+    async def run(answer: Any, request: Callable[[], str | None]) -> dict[str, Any]:
+        got: DrainAnswer = await answer(link, request)
+        if got.status != 200:
+            raise admin.Refused(str(got.body.get("error")))
+        return got.body
+
+    return (lambda: run(answer_drain, drain)), (lambda: run(answer_undrain, undrain))

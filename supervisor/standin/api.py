@@ -3,7 +3,8 @@
 Sources: sglang/srt/entrypoints/http_server.py (routes, health, info endpoints),
 sglang/srt/managers/tokenizer_manager.py (`_handle_batch_output`: the /generate `meta_info`),
 sglang/srt/entrypoints/openai/protocol.py and serving_chat.py (chat completion schema).
-Streaming (`"stream": true`) and batched prompts are not imitated and answer 400.
+`"stream": true` on /generate answers SGLang's server-sent events (http_server.py:949-981,
+docs/sglang.md); on the chat route, and batched prompts, it is not imitated and answers 400.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from supervisor.standin import metrics
-from supervisor.standin.engine import EOS_TOKEN_ID, DecodeError, Engine, Result, token_id
+from supervisor.standin.engine import (
+    EOS_TOKEN_ID,
+    DecodeError,
+    Engine,
+    Result,
+    completion_words,
+    token_id,
+)
 
 VERSION = "0.5.23-standin"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's sampling-params default
@@ -161,9 +169,19 @@ class Api:
             raise BadRequest(f"request body is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
-        if body.get("stream"):
+        if body.get("stream") and request.path != "/generate":
             raise BadRequest("streaming is not supported by the SGLang stand-in")
+        self._log_arrival(request, body)
         return body
+
+    def _log_arrival(self, request: web.Request, body: dict[str, Any]) -> None:
+        path = self.engine.settings.request_log
+        if path is None or request.path != "/generate":
+            return
+        text = body.get("text")
+        line = {"t": time.time(), "text": text[:80] if isinstance(text, str) else None}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
 
     # -- health and info ------------------------------------------------------------------
 
@@ -238,7 +256,7 @@ class Api:
         self.engine.abort(rid if isinstance(rid, str) else "", bool(body.get("abort_all")))
         return web.Response(status=200)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         text, input_ids = body.get("text"), body.get("input_ids")
         if isinstance(text, str):
@@ -254,6 +272,8 @@ class Api:
         max_new = _int_field(
             sampling.get("max_new_tokens"), "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
         )
+        if body.get("stream"):
+            return await self._stream(request, body, prompt, prompt_tokens, max_new)
         with self.engine.request(body.get("rid")) as rid:
             try:
                 result = await self.engine.decode(rid, prompt, prompt_tokens, max_new)
@@ -267,6 +287,72 @@ class Api:
                     "meta_info": _generate_meta(result),
                 },
             )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompt: str,
+        prompt_tokens: int,
+        max_new: int,
+    ) -> web.StreamResponse:
+        """http_server.py:949-981: `data: <json>\\n\\n` per step, then `data: [DONE]`. Without
+        --incremental-streaming-output (the default) every chunk carries the whole text and
+        output_ids so far (tokenizer_manager.py:2636-2663); finish_reason is null until the
+        last. An error mid-stream is one `data: {"error": ...}` chunk, then [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        words = completion_words(prompt, max_new)
+
+        async def send(doc: Any) -> None:
+            payload = doc if isinstance(doc, str) else json.dumps(doc)
+            await response.write(f"data: {payload}\n\n".encode())
+
+        with self.engine.request(body.get("rid")) as rid:
+            await response.prepare(request)
+
+            async def chunk(k: int) -> None:
+                meta = {
+                    "id": rid,
+                    "finish_reason": None,
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": k,
+                    "cached_tokens": 0,
+                }
+                part = words[:k]
+                text = "".join(f" {w}" for w in part)
+                await send(
+                    {"text": text, "output_ids": [token_id(w) for w in part], "meta_info": meta}
+                )
+
+            try:
+                try:
+                    result = await self.engine.decode(
+                        rid, prompt, prompt_tokens, max_new, progress=chunk
+                    )
+                except DecodeError as exc:
+                    await send(
+                        {
+                            "error": {
+                                "message": str(exc),
+                                "type": "invalid_request_error",
+                                "code": 500,
+                                "retryable": False,
+                            }
+                        }
+                    )
+                else:
+                    await send(
+                        {
+                            "text": "".join(f" {w}" for w in result.words),
+                            "output_ids": [token_id(w) for w in result.words],
+                            "meta_info": _generate_meta(result),
+                        }
+                    )
+                await send("[DONE]")
+                await response.write_eof()
+            except ConnectionError:
+                pass  # the client went away
+        return response
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from supervisor.standin import faults as f
 from supervisor.standin import tracebacks
@@ -246,6 +246,7 @@ class Engine:
         max_new_tokens: int,
         *,
         internal: bool = False,
+        progress: Callable[[int], Awaitable[None]] | None = None,
     ) -> Result:
         """Generate for one request; raises DecodeError for an HTTP 500, never returns when
         the request hangs or the scheduler is gone."""
@@ -276,7 +277,7 @@ class Engine:
             )
             if outcome is Outcome.HANG:
                 await asyncio.to_thread(decode_step_hung)
-            await self._produce(n, outcome is Outcome.SLOW)
+            await self._produce(n, outcome is Outcome.SLOW, progress)
         finally:
             self.running.discard(rid)
         # The tokenizer manager counts a request when it finishes (tokenizer_manager.py:3261).
@@ -308,7 +309,9 @@ class Engine:
             return None
         return self.spec_tokens_total / self.spec_verify_total if self.spec_verify_total else 0.0
 
-    async def _produce(self, n: int, slow: bool) -> None:
+    async def _produce(
+        self, n: int, slow: bool, progress: Callable[[int], Awaitable[None]] | None = None
+    ) -> None:
         """Produce the request's `n` tokens over its duration, moving the counters as it goes.
 
         Under slow-decode the request takes STANDIN_SLOW_DECODE_SECONDS while the batch around
@@ -328,7 +331,9 @@ class Engine:
             frac = 1.0 if duration <= 0 else min(1.0, elapsed / duration)
             if own == 0 and n and math.floor(frac * n) >= 1:
                 self._observe_ttft(elapsed)
-            own = n if frac >= 1.0 else math.floor(frac * n)
+            was, own = own, n if frac >= 1.0 else math.floor(frac * n)
+            if progress is not None and own > was and own < n:
+                await progress(own)  # a stream's chunk (the last one comes with the result)
             due = counted_total if frac >= 1.0 else math.floor(frac * counted_total)
             self._count(due - counted)
             counted = due

@@ -71,6 +71,9 @@ class Settings:
     force_shutdown: bool = False
     # sglang/srt/managers/scheduler.py:6376: a scheduler exception SIGKILLs the process group.
     killpg_on_scheduler_exception: bool = False
+    # Not SGLang's: a file the stand-in appends one JSON line to per /generate request *on
+    # arrival* (time, prompt), so a test can count what reached a replica, hung ones included.
+    request_log: str | None = None
 
     def has(self, fault: str) -> bool:
         return fault in self.faults
@@ -136,6 +139,7 @@ def from_environ(env: Mapping[str, str], launch: int) -> Settings:
         ),
         force_shutdown=_flag(env, "SGL_FORCE_SHUTDOWN"),
         killpg_on_scheduler_exception=_flag(env, "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"),
+        request_log=env.get("STANDIN_REQUEST_LOG") or None,
     )
 
 

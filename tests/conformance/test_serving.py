@@ -8,6 +8,7 @@ changed. The expectations are real SGLang's, read from its 0.5.23 source (docs/s
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -99,6 +100,31 @@ def test_generate_meta_info(server: Server) -> None:
     # No speculative decoding: the spec keys are absent, not 0 (tokenizer_manager.py:3149).
     assert not SPEC_KEYS & set(meta), sorted(SPEC_KEYS & set(meta))
     assert "total_retractions" not in meta
+
+
+def test_generate_stream_format(server: Server) -> None:
+    """What the fleet's load generator reads from a stream (http_server.py:949-981): SSE
+    `data: <json>` events, cumulative text, finish_reason only on the last, then [DONE]."""
+    body = {
+        "text": "Hello world",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0},
+        "stream": True,
+    }
+    r = server.post("/generate", body)
+    assert r.status_code == 200, f"[{server.side}] {r.text[:300]}"
+    assert r.headers["content-type"].startswith("text/event-stream"), server.side
+    events = [e for e in r.text.split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), f"[{server.side}] {events[:3]}"
+    assert events[-1] == "data: [DONE]", server.side
+    docs = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert len(docs) >= 2, f"[{server.side}] one chunk per step, got {len(docs)}"
+    *steps, last = docs
+    assert all(d["meta_info"]["finish_reason"] is None for d in steps), server.side
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 24}, server.side
+    assert set(last["meta_info"]) >= META_KEYS, server.side
+    counts = [len(d["output_ids"]) for d in docs]
+    assert counts == sorted(counts) and counts[-1] == 24, f"[{server.side}] {counts}"
+    assert all(last["text"].startswith(d["text"]) for d in steps), server.side
 
 
 def test_chat_smoke_test(server: Server) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
+import httpx
 import pytest
 
 from .conftest import MODEL, Launcher
@@ -148,6 +150,28 @@ def test_generate_schema_with_speculative_decoding(spec: Standin) -> None:
     assert body["text"].split() == ["Say", "hello", "in", "one", "word"] * 3 + ["Say"]
 
 
+def test_generate_stream_is_sglangs_server_sent_events(spec: Standin) -> None:
+    body = {"text": "Say hello", "sampling_params": {"max_new_tokens": 64}, "stream": True}
+    with httpx.Client(trust_env=False, timeout=10) as c:
+        r = c.post(spec.url("/generate"), json=body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events[:3]
+    assert events[-1] == "data: [DONE]"
+    docs = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert len(docs) >= 2, "one chunk per decode step, not one answer"
+    *steps, last = docs
+    # Not incremental: each chunk holds everything so far; finish_reason only on the last.
+    assert all(d["meta_info"]["finish_reason"] is None for d in steps)
+    counts = [len(d["output_ids"]) for d in docs]
+    assert counts == sorted(counts) and counts[-1] == 64
+    assert all(last["text"].startswith(d["text"]) for d in steps)
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 64}
+    plain = spec.post("/generate", {**body, "stream": False}).json()
+    assert last["text"] == plain["text"]
+
+
 def test_generate_from_input_ids(spec: Standin) -> None:
     r = spec.post("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 200
@@ -189,7 +213,7 @@ def test_chat_with_reasoning_parser_answers_in_reasoning_content(plain: Standin)
     [
         ("/generate", {"sampling_params": {"max_new_tokens": 4}}),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "many"}}),
-        ("/generate", {"text": "hi", "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
         ("/v1/chat/completions", {"messages": []}),
     ],
 )
