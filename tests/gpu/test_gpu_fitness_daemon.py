@@ -144,6 +144,7 @@ def test_a_lost_gpu_or_a_recovery_action_while_serving_restarts(tmp_path: Path, 
         assert metric(d, "kimi_serve_restarts_total", reason="gpu_fault") == 1
 
 
+@pytest.mark.slow
 def test_orphans_of_a_sigkilled_daemon_are_counted_with_their_gpus(tmp_path: Path) -> None:
     # A long load, quiet at first: SGLang's processes outlive the daemon (no write to a closed
     # pipe kills them), holding their simulated GPU memory.
@@ -185,4 +186,13 @@ def test_orphans_of_a_sigkilled_daemon_are_counted_with_their_gpus(tmp_path: Pat
             assert pids >= {p.pid for p in old}, (pids, [p.pid for p in old])
             assert sum(left["killed"].values()) == total >= len(old)
             assert {g for p in left["processes"] for g in p["gpus"]} == {0, 1}
+            r = subprocess.run(
+                [str(BIN), "status", "--config", str(second.config_path)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert f"Leftovers: {int(total)} killed before the last launch (GPU 0: " in r.stdout, (
+                r.stdout
+            )
             assert all(not p.is_running() or p.status() == "zombie" for p in old)
