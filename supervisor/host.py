@@ -60,16 +60,16 @@ async def clean(
                 "removing processes of an earlier launch",
                 pids=sorted(i.pid for i in recorded | marked),
             )
-            sweep = await gpu.sweep_leftovers(owner.sweep, nvml, recorded, marked)
-            observed.swept(sweep)
-            stuck = sweep.stuck
-            if stuck:
-                pids = ", ".join(str(i.pid) for i in stuck)
-                return HostNotReady(
-                    f"process {pids} of an earlier launch survives SIGKILL "
-                    "(stuck in the kernel, D state): the host needs attention",
-                    wedged=True,
-                )
+        # Always reported, empty when nothing was left: /status.leftovers is this cleaning's.
+        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, recorded, marked)
+        observed.swept(sweep)
+        if sweep.stuck:
+            pids = ", ".join(str(i.pid) for i in sweep.stuck)
+            return HostNotReady(
+                f"process {pids} of an earlier launch survives SIGKILL "
+                "(stuck in the kernel, D state): the host needs attention",
+                wedged=True,
+            )
         store.clear()
         if monitor is not None:
             # Never launch onto a GPU that needs a reset: the machine goes `failed` with the line.
