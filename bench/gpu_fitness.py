@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_leftovers import HOLDER, Gpu, Spec, launch  # noqa: E402
 from supervisor import fitness, fitness_watch, gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
+from supervisor.gpu_sim import open_nvml  # noqa: E402
 from supervisor.identity import (  # noqa: E402
     OWNER_ENV,
     LaunchRecord,
@@ -54,7 +55,7 @@ from supervisor.identity import (  # noqa: E402
     signal_identity,
 )
 from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, NvmlUnavailable, gpu_status, open_nvml  # noqa: E402
+from supervisor.nvml import MiB, NvmlUnavailable, gpu_status  # noqa: E402
 from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 
@@ -211,7 +212,8 @@ async def crash_phase(
         record = RecordStore(str(state)).load()
         rec = set(record.processes) if record else set()
         t0 = time.monotonic()
-        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, rec, set(owner.marked_processes()))
+        # As the daemon's cleaning (host.clean): the record, its session, the owner marker.
+        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, rec, owner.leftovers(rec) - rec)
         t_sweep = time.monotonic() - t0
         metrics.count_leftovers(sweep.killed_rows())
         cfg = GpusConfig(

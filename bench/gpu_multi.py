@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from supervisor import fitness, fitness_watch, gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
+from supervisor.gpu_sim import open_nvml  # noqa: E402
 from supervisor.identity import (  # noqa: E402
     OWNER_ENV,
     LaunchRecord,
@@ -58,7 +59,7 @@ from supervisor.identity import (  # noqa: E402
     signal_identity,
 )
 from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, NvmlUnavailable, open_nvml  # noqa: E402
+from supervisor.nvml import MiB, NvmlUnavailable  # noqa: E402
 from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 

@@ -17,7 +17,19 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, router, stacks, startup
+from supervisor import (
+    admin,
+    admin_token,
+    fitness_watch,
+    host,
+    log,
+    probe,
+    probing,
+    reload,
+    router,
+    stacks,
+    startup,
+)
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -63,7 +75,7 @@ from supervisor.machine import (
     watches_end,
 )
 from supervisor.notify import watchdog_interval
-from supervisor.nvml import Nvml
+from supervisor.nvml import Nvml, NvmlUnavailable
 from supervisor.observed import Observed
 from supervisor.preflight import EX_CONFIG
 from supervisor.recorder import IncidentRecorder
@@ -121,6 +133,10 @@ class Daemon:
         self._internal_error = False
         self._beat = self.clock()
         self._loop_errors: dict[str, float] = {}
+        # GPU fitness (gpus.manage): read before every launch, NVML's critical events watched.
+        self.monitor: fitness_watch.Monitor | None = None
+        # At most one decode probe in flight against SGLang; a timed-out one is aborted.
+        self.gate = probe.ProbeGate()
 
     @property
     def nvml(self) -> Nvml | None:
@@ -148,6 +164,7 @@ class Daemon:
             code = await self._prepare()
             if code is not None:
                 return code
+            await self._watch_fitness()
             if self.router is not None:
                 # Whatever a previous run left in the router's list is not decode-verified.
                 self.router.begin_deregister("startup")
@@ -191,6 +208,27 @@ class Daemon:
         except startup.CannotStart as exc:
             return self._fatal(str(exc), exc.code)
         return None
+
+    async def _watch_fitness(self) -> None:
+        """The fitness monitor of the managed GPUs and its Xid watcher task (docs/gpu.md)."""
+        source = fitness_watch.health_source(self.nvml)
+        if source is None:
+            return
+        m = self.metrics
+        self.monitor = self.observed.monitor = fitness_watch.Monitor(
+            source,
+            self.cfg.gpus.devices,
+            self.emit,
+            gauge=m.set_gpu_healthy,
+            count_xid=m.count_xid,
+            log=self.log.warning,
+        )
+        try:
+            events = await fitness_watch.open_events(source)
+        except NvmlUnavailable as exc:
+            self.log.warning("no Xid watcher: NVML's event set cannot be opened", error=str(exc))
+            return
+        self._spawn(self.monitor.watch(events))
 
     def _loop_exception(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # One line, at most once a minute per message: asyncio's accept loop retries EMFILE
@@ -284,7 +322,15 @@ class Daemon:
                 profile = self.machine.ctx.profile
                 fx = self.fx
                 self._run(
-                    host.clean(self.cfg, profile, fx.store, fx.owner, self.nvml, self.observed)
+                    host.clean(
+                        self.cfg,
+                        profile,
+                        fx.store,
+                        fx.owner,
+                        self.nvml,
+                        self.observed,
+                        monitor=self.monitor,
+                    )
                 )
             case Launch():
                 self.launcher.launch(action, before=self.pump.new_launch)
@@ -361,7 +407,9 @@ class Daemon:
 
     async def _probe(self, action: StartProbe) -> None:
         spec = self.launcher.spec  # judged against what was launched
-        done = await probing.decode(self.fx.http, self.cfg, spec, action.launch, action.kind)
+        done = await probing.decode(
+            self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
+        )
         # Queued before anything is logged: a broken log must never hide a verdict.
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)

@@ -150,3 +150,20 @@ class Monitor:
             # close() waits for a wait in progress (at most one slice): never on the loop.
             with contextlib.suppress(TimeoutError, NvmlUnavailable):
                 await asyncio.shield(in_thread(events.close, slice_s + NVML_CALL_TIMEOUT))
+
+
+def health_source(nvml: object) -> HealthSource | None:
+    """The opened NVML as a fitness source, or None for one that cannot read fitness."""
+    if callable(getattr(nvml, "health", None)) and callable(getattr(nvml, "open_events", None)):
+        return nvml  # type: ignore[return-value]
+    return None
+
+
+async def open_events(source: HealthSource) -> EventSource:
+    """NVML's critical-event set, opened in the thread adapter. Raises NvmlUnavailable."""
+    try:
+        return await in_thread(source.open_events, NVML_CALL_TIMEOUT)
+    except TimeoutError:
+        raise NvmlUnavailable(
+            f"NVML did not open its event set within {NVML_CALL_TIMEOUT:g}s"
+        ) from None

@@ -1,10 +1,12 @@
 """Cleaning the host before a launch: the `CleanHost` action, answered by one event.
 
-In order: processes of earlier launches (the launch record and the owner marker) are removed,
-the model paths and GPU count are checked, enough file descriptors are left, the GPUs are
-cleaned until NVML shows their memory free, and the SGLang port is free. The answer is
-`HostReady`, or `HostNotReady` saying why (with `wedged` when retrying cannot help); the
-machine decides what to do with it (retry with a backoff, or `failed`).
+In order: processes of earlier launches (the launch record, their session, the owner marker)
+are removed and counted with the GPU memory each held, the managed GPUs' fitness is read, the
+model paths and GPU count are checked, enough file descriptors are left, the GPUs are cleaned
+until NVML shows their memory free, and the SGLang port is free. The answer is `HostReady`,
+`GpuUnfit` (a GPU needs a reset, a reboot or a replacement), or `HostNotReady` saying why (with
+`wedged` when retrying cannot help); the machine decides what to do with it (retry with a
+backoff, or `failed`).
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import contextlib
 import os
 import resource
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from supervisor import command, gpu, log, preflight
 from supervisor.config import Config
 from supervisor.identity import RecordStore
-from supervisor.machine import HostNotReady, HostReady
+from supervisor.machine import GpuUnfit, HostNotReady, HostReady
 from supervisor.nvml import Nvml, select
 from supervisor.observed import Observed
 from supervisor.process import ProcessOwner
 from supervisor.threads import in_thread
+
+if TYPE_CHECKING:
+    from supervisor.fitness_watch import Monitor
 
 HOST_CHECK_TIMEOUT_S = 30.0
 # Leave this many file descriptors free before a launch (SGLang's pipes, pidfd, probes).
@@ -39,25 +45,39 @@ async def clean(
     owner: ProcessOwner,
     nvml: Nvml | None,
     observed: Observed,
-) -> HostReady | HostNotReady:
-    """Leftovers of earlier launches gone, GPU memory free, port free: or say why not."""
+    monitor: Monitor | None = None,
+) -> HostReady | HostNotReady | GpuUnfit:
+    """Leftovers of earlier launches gone, GPUs fit, GPU memory free, port free: or say why
+    not (`GpuUnfit`: a managed GPU needs a reset, a reboot or a replacement)."""
     try:
         record = store.load()
         recorded = set(record.processes) if record else set()
-        leftovers = recorded | set(owner.marked_processes())
-        if leftovers:
+        # The launch's session counts too: setproctitle wipes a scheduler's environment, and
+        # with it the owner marker (ProcessOwner.leftovers).
+        marked = owner.leftovers(recorded) - recorded
+        if recorded | marked:
             log.get().warning(
-                "removing processes of an earlier launch", pids=sorted(i.pid for i in leftovers)
+                "removing processes of an earlier launch",
+                pids=sorted(i.pid for i in recorded | marked),
             )
-            stuck = await owner.sweep(leftovers)
-            if stuck:
-                pids = ", ".join(str(i.pid) for i in stuck)
-                return HostNotReady(
-                    f"process {pids} of an earlier launch survives SIGKILL "
-                    "(stuck in the kernel, D state): the host needs attention",
-                    wedged=True,
-                )
+        # Always reported, empty when nothing was left: /status.leftovers is this cleaning's.
+        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, recorded, marked)
+        observed.swept(sweep)
+        if sweep.stuck:
+            pids = ", ".join(str(i.pid) for i in sweep.stuck)
+            return HostNotReady(
+                f"process {pids} of an earlier launch survives SIGKILL "
+                "(stuck in the kernel, D state): the host needs attention",
+                wedged=True,
+            )
         store.clear()
+        if monitor is not None:
+            # Never launch onto a GPU that needs a reset: the machine goes `failed` with the line.
+            # Before the host checks: a lost GPU also fails their GPU count, which is retried as
+            # a problem that may clear by itself, and it never does.
+            unfit = await monitor.before_launch()
+            if unfit is not None:
+                return unfit
         # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
         spec = command.build(cfg, profile)
         gpu_count = gpu_counter(nvml, cfg) if nvml is not None else None

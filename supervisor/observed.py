@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from supervisor import __version__, intent, log, nvml
+from supervisor import __version__, gpu, intent, log, nvml
 from supervisor.config import Config
-from supervisor.gpu import CleanReport
+from supervisor.gpu import CleanReport, SweepReport
 from supervisor.machine import (
     Context,
     ProbeKind,
@@ -32,6 +32,9 @@ from supervisor.router import RouterLink
 if TYPE_CHECKING:
     from supervisor.incidents import Written
     from supervisor.recorder import IncidentRecorder
+
+if TYPE_CHECKING:
+    from supervisor.fitness_watch import Monitor
 
 EVENTS_KEPT = 50
 GPU_CACHE_S = 2.0
@@ -53,6 +56,9 @@ class Observed:
         self.wall = wall
         self.log = log.get()
         self.nvml: Nvml | None = None
+        self.monitor: Monitor | None = None  # GPU fitness, when the daemon watches it
+        self.sweep_report: SweepReport | None = None
+        self.clean_report: CleanReport | None = None
         self.child: Child | None = None
         self.sglang_version = "unknown"
         self.since_unix = wall()
@@ -162,10 +168,19 @@ class Observed:
         else:
             self.log.debug("probe ok", kind=kind.value, latency_s=result.latency_s)
 
+    def swept(self, report: SweepReport) -> None:
+        """The launch record's and owner marker's leftovers, killed before GPU cleaning: each
+        counted with the GPU it held (gpu "none" when it held no GPU memory)."""
+        self.sweep_report = report
+        self.clean_report = None
+        self.metrics.count_leftovers(report.killed_rows())
+        if report.processes or report.stuck:
+            self.log.warning("leftovers of an earlier launch", message=report.message())
+
     def cleaned(self, report: CleanReport) -> None:
         self.host = report.to_dict()
-        for index, count in report.killed.items():
-            self.metrics.gpu_killed.labels(str(index), self._uuid_of(index)).inc(count)
+        self.clean_report = report
+        self.metrics.count_leftovers(report.killed_rows())
         if report.release_seconds is not None:
             self.metrics.gpu_release.set(report.release_seconds)
         self._gpus_cache = (0.0, [])
@@ -246,14 +261,15 @@ class Observed:
         except Exception as exc:  # a lost GPU must not break /status or /metrics
             self.log.warning("gpu snapshot failed", error=str(exc))
             cached = []
+        if self.monitor is not None:
+            # The last fitness verdict (before the launch, or after a critical event) wins over
+            # the snapshot's: it carries the last Xid.
+            health = self.monitor.health_by_index()
+            cached = [
+                {**g, "health": health[g["index"]]} if g["index"] in health else g for g in cached
+            ]
         self._gpus_cache = (self.clock(), cached)
         return cached
-
-    def _uuid_of(self, index: int) -> str:
-        for g in self.gpu_status():
-            if g["index"] == index:
-                return str(g["uuid"])
-        return ""
 
     def status_document(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -282,6 +298,7 @@ class Observed:
             "liveness_failures": ctx.liveness_failures,
             "gpus": self.gpu_status(),
             "host": self.host,
+            "leftovers": gpu.leftover_status(self.sweep_report, self.clean_report),
             "intent": self.intent,
             "events": list(self.events),
             "router": None if self.router is None else self.router.status(),

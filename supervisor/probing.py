@@ -16,15 +16,31 @@ from supervisor import intent
 from supervisor.command import LaunchSpec
 from supervisor.config import Config
 from supervisor.machine import ProbeDone, ProbeKind
-from supervisor.probe import is_busy, probe, read_progress, server_url
+from supervisor.probe import (
+    ProbeGate,
+    is_busy,
+    probe,
+    prompt_token_bound,
+    read_progress,
+    server_url,
+)
 
 INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 async def decode(
-    http: httpx.AsyncClient, cfg: Config, spec: LaunchSpec, launch: int, kind: ProbeKind
+    http: httpx.AsyncClient,
+    cfg: Config,
+    spec: LaunchSpec,
+    launch: int,
+    kind: ProbeKind,
+    gate: ProbeGate | None = None,
 ) -> ProbeDone:
-    """One decode probe against the launch, and whether SGLang was busy meanwhile."""
+    """One decode probe against the launch, and whether SGLang was busy meanwhile.
+
+    Through `gate` (the daemon's one ProbeGate): at most one probe in flight, each with its own
+    request id, aborted inside SGLang when it times out (docs/gpu.md, "Probe hygiene").
+    """
     pcfg = cfg.readiness.probe
     timeout = pcfg.timeout if kind is ProbeKind.READINESS else cfg.liveness.timeout
     base = server_url(cfg.sglang.host, cfg.sglang.port)
@@ -33,12 +49,19 @@ async def decode(
     # beside the probe, so a frozen server costs one probe timeout, not more.
     sample = min(2.0, timeout)
     first = asyncio.get_running_loop().create_task(read_progress(http, base, sample))
-    result = await probe(http, base, pcfg, spec.speculative, timeout=timeout)
+    if gate is not None:
+        result = await gate.probe(
+            http, base, pcfg, spec.speculative, timeout=timeout, kind=kind.value
+        )
+    else:
+        result = await probe(http, base, pcfg, spec.speculative, timeout=timeout)
     before = await first
     busy = False
     if result.reason == "timeout" and before is not None:
         after = await read_progress(http, base, sample)
-        busy = is_busy(result, before, after, pcfg.max_tokens)
+        busy = is_busy(
+            result, before, after, pcfg.max_tokens, prompt_tokens=prompt_token_bound(pcfg)
+        )
     return ProbeDone(launch, kind, result, busy)
 
 

@@ -88,6 +88,13 @@ def render(doc: dict[str, Any], now: float) -> str:
         out.append(
             f"     GPU {g.get('index')}: {g.get('uuid')} {mib:.0f} MiB used, {n} processes{unfit}"
         )
+    killed = (doc.get("leftovers") or {}).get("killed") or {}
+    if any(killed.values()):
+        # Leftovers of an earlier launch removed before the last one (a crash left them).
+        per = ", ".join(
+            f"GPU {g}: {n}" if g != "none" else f"no GPU memory: {n}" for g, n in killed.items()
+        )
+        out.append(f" Leftovers: {sum(killed.values())} killed before the last launch ({per})")
     last = doc.get("last_restart")
     if last:
         how = []

@@ -973,3 +973,52 @@ def test_realtime_counter_before_any_request_finished() -> None:
     text = real_metrics(50.0).replace("sglang:generation_tokens_total{", "#")
     got = parse_progress(text)
     assert got is not None and got.generation_tokens is None and got.realtime_tokens == 420.0
+
+
+async def test_daemon_probes_through_the_gate_never_overlap_and_are_aborted(
+    tmp_path: Path,
+) -> None:
+    # Two probes asked for at once (racing timers) against a server that never answers: the
+    # server sees one at a time, each with its own rid, and each is aborted when it times out.
+    from supervisor import command, probing
+    from supervisor.machine import ProbeKind
+    from supervisor.probe import ProbeGate
+
+    seen: dict[str, Any] = {"now": 0, "most": 0, "rids": [], "aborted": []}
+    release = asyncio.Event()
+
+    async def generate(request: web.Request) -> web.Response:
+        seen["rids"].append((await request.json()).get("rid"))
+        seen["now"] += 1
+        seen["most"] = max(seen["most"], seen["now"])
+        try:
+            await release.wait()
+        finally:
+            seen["now"] -= 1
+        return web.json_response(generate_answer())
+
+    async def abort(request: web.Request) -> web.Response:
+        seen["aborted"].append((await request.json())["rid"])
+        return web.Response()
+
+    async with app_server({"/generate": generate, "/abort_request": abort}) as url:
+        port = int(url.rsplit(":", 1)[1])
+        cfg = config.parse(
+            f"sglang:\n  model_path: /m\n  port: {port}\n"
+            "liveness: {timeout: 0.3s}\n"
+            f"state_dir: {tmp_path}\ngpus: {{manage: false}}\n",
+            "test.yaml",
+        )
+        gate = ProbeGate()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            spec = command.build(cfg)
+            done = await asyncio.gather(
+                *(probing.decode(http, cfg, spec, 1, ProbeKind.LIVENESS, gate=gate) for _ in "ab")
+            )
+        release.set()
+    assert [d.result.reason for d in done] == ["timeout", "timeout"]
+    assert gate.max_in_flight == 1 and seen["most"] == 1
+    rids = seen["rids"]
+    assert len(set(rids)) == 2 and all(r.startswith("kimi-serve-liveness-") for r in rids)
+    assert seen["aborted"] == rids
+    assert all(d.result.aborted for d in done)

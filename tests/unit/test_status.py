@@ -96,3 +96,13 @@ async def test_a_document_that_is_not_an_object_is_unreachable(
     daemon_url["doc"] = ["not", "an", "object"]
     code, _, err = await run(daemon_url["url"], False)
     assert code == status.EX_UNREACHABLE and "not a JSON object" in err
+
+
+def test_render_counts_the_leftovers_of_the_last_cleaning() -> None:
+    doc = {**DOC, "leftovers": {"killed": {"0": 1, "1": 1, "none": 2}, "processes": []}}
+    text = status.render(doc, NOW)
+    assert " Leftovers: 4 killed before the last launch (GPU 0: 1, GPU 1: 1, no GPU memory: 2)" in (
+        text
+    )
+    quiet = status.render({**DOC, "leftovers": {"killed": {}, "processes": []}}, NOW)
+    assert "Leftovers" not in quiet
