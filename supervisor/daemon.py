@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, startup
+from supervisor import admin, admin_token, group, host, log, probing, reload, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -31,6 +31,7 @@ from supervisor.machine import (
     ConfigRead,
     Event,
     Exit,
+    HostReady,
     Launch,
     Machine,
     NotifyReady,
@@ -101,6 +102,12 @@ class Daemon:
         self._internal_error = False
         self._beat = self.clock()
         self._loop_errors: dict[str, float] = {}
+        # A multi-node replica coordinated over the admin endpoints (docs/multinode.md).
+        self.group = (
+            group.Group(cfg, self.machine.ctx, fx.http, self.emit, fx.clock, fx.metrics)
+            if cfg.group.coordinated
+            else None
+        )
 
     @property
     def nvml(self) -> Nvml | None:
@@ -126,7 +133,9 @@ class Daemon:
             if code is not None:
                 return code
             try:
-                shutdown_admin = await admin.start(self, self.cfg.admin.host, self.cfg.admin.port)
+                shutdown_admin = await admin.start(
+                    self, self.cfg.admin.host, self.cfg.admin.port, group=self.group
+                )
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
@@ -137,6 +146,8 @@ class Daemon:
                 )
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
             self.observed.profile(None, self.machine.ctx.profile)
+            if self.group is not None:
+                self._spawn(self.group.run())
             self.emit(Start())
             while self._exit_code is None:
                 self.dispatch(await self.queue.get())
@@ -243,12 +254,14 @@ class Daemon:
                 else:
                     self.notifier.status(self.status_line())
                 self.launcher.end_watches(watches_end(action))
+                if self.group is not None:
+                    self.group.transitioned(action)
             case CleanHost():
                 profile = self.machine.ctx.profile
                 fx = self.fx
-                self._run(
-                    host.clean(self.cfg, profile, fx.store, fx.owner, self.nvml, self.observed)
-                )
+                obs = self.observed
+                cleaned = host.clean(self.cfg, profile, fx.store, fx.owner, self.nvml, obs)
+                self._run(self._clean_then_join(cleaned))
             case Launch():
                 self.launcher.launch(action, before=self.pump.new_launch)
             case StartProbe():
@@ -305,6 +318,15 @@ class Daemon:
         )
         self.observed.intent_checked(info, mismatches)
 
+    async def _clean_then_join(self, cleaned: Coroutine[Any, Any, Event]) -> Event:
+        """A follower launches only into the leader's next epoch (group.Group.join)."""
+        event = await cleaned
+        if self.group is not None and self.group.role == "follower" and isinstance(
+            event, HostReady
+        ) and not self.machine.ctx.handing_over:
+            await self.group.join()
+        return event
+
     async def _read_config(self) -> _Read:
         return _Read(await reload.read(self.cfg.path))
 
@@ -342,6 +364,8 @@ class Daemon:
         return self.clock() - self._beat < LOOP_STALE_S
 
     def is_ready(self) -> bool:
+        if self.group is not None:
+            return self.group.ready()
         return self.machine.state in SERVING
 
     def render_metrics(self) -> bytes:
@@ -357,4 +381,7 @@ class Daemon:
         return self.observed.status_line()
 
     def status_document(self) -> dict[str, Any]:
-        return self.observed.status_document()
+        doc = self.observed.status_document()
+        if self.group is not None:
+            doc["group"] = self.group.status()
+        return doc
