@@ -918,18 +918,19 @@ def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
         r.error(f"{p}.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
     if role == "leader" and out.peers and len(out.peers) != nnodes - 1:
         r.error(f"{p}.peers", f"the leader lists its {nnodes - 1} followers; got {len(out.peers)}")
-    if role != "single" and not out.peers and cfg.restart.mode != "exit":
-        r.error(
-            p,
-            "a multi-node replica (sglang.args.nnodes > 1) needs group.peers (bare metal) or "
-            "restart.mode: exit (an orchestrator relaunches the group)",
-        )
     return out
 
 
 def warnings(cfg: Config) -> list[str]:
     """Problems that do not stop the daemon but are very likely mistakes (`check` prints them)."""
     out: list[str] = []
+    g = cfg.group
+    if g.role != "single" and not g.peers and cfg.restart.mode != "exit":
+        out.append(
+            f"group: this node is the {g.role} of a multi-node replica (sglang.args.nnodes "
+            f"{g.nnodes}) with neither group.peers (bare metal) nor restart.mode: exit (an "
+            "orchestrator): it would relaunch alone, and a node cannot rejoin a running group"
+        )
     rc = cfg.router
     if rc.url is not None:
         if is_loopback_url(rc.worker_url) and not is_loopback_url(rc.url):
