@@ -334,6 +334,8 @@ class Daemon:
         """A changed configuration replaces the running one, everywhere it is read."""
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
         self.pump.configure(new)
+        if self.group is not None:
+            self.group.cfg = new  # timings and token file; the role and peers need a restart
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic

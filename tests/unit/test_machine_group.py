@@ -197,3 +197,23 @@ def test_multi_node_without_peers_or_exit_mode_is_warned() -> None:
         BASE.replace("RANK", "1").replace("PEERS", "[]") + "restart: {mode: exit}\n", "c.yaml"
     )
     assert not any("relaunch alone" in w for w in config.warnings(exit_mode))
+
+
+def test_status_renders_the_group_and_a_partition() -> None:
+    from supervisor.status import render
+
+    doc = {
+        "state": "cleaning",
+        "group": {
+            "role": "follower",
+            "node_rank": 1,
+            "epoch": None,
+            "ready": False,
+            "peers": [
+                {"url": "http://l:1", "reachable": False, "unreachable_s": 3.2, "error": "refused"}
+            ],
+        },
+    }
+    text = render(doc, 0.0)
+    assert "Group: follower (node rank 1), epoch -, not ready" in text
+    assert "peer http://l:1: UNREACHABLE for 3.2 s: refused" in text
