@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from testkit import running
-from testkit.pair import Proxy, launches, node_configs, ready, until_all
+from testkit.pair import Proxy, launches, node_configs, ready, shared_token, until_all
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -137,9 +137,21 @@ def test_partition_follower_reports_and_never_relaunches_alone(tmp_path: Path) -
 
 
 def test_group_endpoints_need_the_token(tmp_path: Path) -> None:
-    leader_cfg, _ = node_configs(tmp_path)
-    with running(node(tmp_path, 0), leader_cfg) as leader:
+    leader_cfg, follower_cfg = node_configs(tmp_path)
+    # A follower presenting another token: the leader refuses it, so it never joins.
+    other = shared_token(node(tmp_path, 1))
+    follower_cfg["group"]["token_file"] = str(other)
+    with (
+        running(node(tmp_path, 0), leader_cfg) as leader,
+        running(node(tmp_path, 1), follower_cfg) as follower,
+    ):
         leader.wait_state("loading")
+        until_all(
+            lambda: "401" in (group(follower)["peers"][0]["error"] or ""), 10, "a 401 reported"
+        )
+        assert follower.status()["state"] == "cleaning" and launches(follower_cfg) == 0
+        denied = httpx.get(leader.admin + "/metrics", timeout=5).text
+        assert 'kimi_serve_admin_denied_total{endpoint="/group"}' in denied
         wrong = {"Authorization": "Bearer " + "x" * 43}
         assert httpx.get(leader.admin + "/group", timeout=5).status_code == 401
         assert httpx.get(leader.admin + "/group", headers=wrong, timeout=5).status_code == 401
