@@ -217,3 +217,43 @@ def test_status_renders_the_group_and_a_partition() -> None:
     text = render(doc, 0.0)
     assert "Group: follower (node rank 1), epoch -, not ready" in text
     assert "peer http://l:1: UNREACHABLE for 3.2 s: refused" in text
+
+
+# ------------------------------------------------------------------ group.py's small parts
+
+
+def test_a_malformed_group_answer_counts_as_no_answer() -> None:
+    from supervisor.group import parse_view
+
+    ok = {"epoch": "a-1", "state": "ready", "running": True, "ready": True}
+    assert parse_view(ok) == PeerView("a-1", "ready", True, True)
+    assert parse_view({**ok, "epoch": None}) == PeerView(None, "ready", True, True)
+    for bad in ([], {**ok, "running": "yes"}, {**ok, "epoch": 3}, {**ok, "state": None}):
+        assert parse_view(bad) is None
+
+
+def test_post_group_end_ends_only_the_current_epoch_of_a_running_leader() -> None:
+    import httpx
+
+    from supervisor.group import Group
+    from supervisor.metrics import Metrics
+
+    cfg = cfg_for(0)
+    m = loaded(cfg)
+    got: list[object] = []
+    g = Group(cfg, m.ctx, httpx.AsyncClient(), got.append, lambda: 0.0, Metrics())
+    current = g.epoch()
+    assert current is not None and current.endswith("-1")
+    assert g.end_requested({"epoch": "stale-1"})["accepted"] is False
+    assert g.end_requested("not a mapping")["accepted"] is False
+    assert got == []
+    assert g.end_requested({"epoch": current, "why": "exited"}) == {
+        "accepted": True,
+        "epoch": current,
+    }
+    assert got == [GroupEnded(1, f"a follower ended epoch {current}: exited")]
+    # A follower's endpoint never ends anything.
+    f = Group(
+        cfg_for(1), loaded(cfg_for(1)).ctx, httpx.AsyncClient(), got.append, lambda: 0.0, Metrics()
+    )
+    assert f.end_requested({"epoch": None})["accepted"] is False
