@@ -37,6 +37,13 @@ if TYPE_CHECKING:
     from supervisor.metrics import Metrics
 
 
+class GroupEndpoint(Protocol):
+    """A multi-node replica's coordination (supervisor/group.py)."""
+
+    def view(self) -> dict[str, Any]: ...
+    def end_requested(self, body: Any) -> dict[str, Any]: ...
+
+
 class AdminBackend(Protocol):
     cfg: Config  # admin.token_file
     metrics: Metrics  # admin_denied
@@ -169,6 +176,7 @@ def build_app(
     on_drain: Operation | None = None,
     on_undrain: Operation | None = None,
     limits: Limits = Limits(),
+    group: GroupEndpoint | None = None,
 ) -> web.Application:
     denied_log = _DeniedLog()
     logger = log.get()
@@ -287,6 +295,22 @@ def build_app(
 
         return run
 
+    # GET /group and POST /group/end carry no mark: the token is required for both, GET
+    # included (docs/multinode.md): peers on other hosts are never trusted without it.
+    async def group_view(_: web.Request) -> web.Response:
+        if group is None:
+            return web.json_response({"error": "not a multi-node replica"}, status=404)
+        return web.json_response(group.view(), dumps=_dumps)
+
+    async def group_end(request: web.Request) -> web.Response:
+        if group is None:
+            return web.json_response({"error": "not a multi-node replica"}, status=404)
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"accepted": False, "error": "body is not JSON"}, status=400)
+        return web.json_response(group.end_requested(body), dumps=_dumps)
+
     app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
     app.add_routes(
         [
@@ -297,6 +321,8 @@ def build_app(
             web.post("/restart", restart),
             web.post("/drain", operation("drain", on_drain)),
             web.post("/undrain", operation("undrain", on_undrain)),
+            web.get("/group", group_view),
+            web.post("/group/end", group_end),
         ]
     )
     return app
@@ -500,13 +526,16 @@ async def open_endpoint(
     on_drain: Operation | None = None,
     on_undrain: Operation | None = None,
     limits: Limits = Limits(),
+    group: GroupEndpoint | None = None,
 ) -> Served:
     """Create or check the token file, then bind and serve. Raises OSError
     (admin_token.TokenFileError for the token file, before anything is bound)."""
     path = backend.cfg.admin.token_file
     auth = _Auth(path, admin_token.ensure(path))
     log.get().info("admin token", file=path)  # where it is, never what it is
-    app = build_app(backend, auth, on_drain=on_drain, on_undrain=on_undrain, limits=limits)
+    app = build_app(
+        backend, auth, on_drain=on_drain, on_undrain=on_undrain, limits=limits, group=group
+    )
     return await serve(app, host, port, limits)
 
 
@@ -518,9 +547,10 @@ async def start(
     on_drain: Operation | None = None,
     on_undrain: Operation | None = None,
     limits: Limits = Limits(),
+    group: GroupEndpoint | None = None,
 ) -> Callable[[], Awaitable[None]]:
     """open_endpoint(); returns the coroutine function that shuts it down."""
     served = await open_endpoint(
-        backend, host, port, on_drain=on_drain, on_undrain=on_undrain, limits=limits
+        backend, host, port, on_drain=on_drain, on_undrain=on_undrain, limits=limits, group=group
     )
     return served.stop

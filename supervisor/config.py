@@ -189,6 +189,29 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class GroupConfig:
+    """A replica that spans nodes (docs/multinode.md). The role comes from `sglang.args`
+    (`nnodes`, `node-rank`): rank 0 leads, ranks >= 1 follow; one node is `single`."""
+
+    role: str = "single"  # "single" | "leader" | "follower"
+    nnodes: int = 1
+    node_rank: int = 0
+    # The peers' admin endpoints: the leader lists its followers, a follower its leader.
+    peers: tuple[str, ...] = ()
+    # The bearer token presented to the peers (the same token as their admin.token_file).
+    token_file: str = ""
+    poll_interval: float = 0.5
+    poll_timeout: float = 1.0
+    # A peer unreachable this long ends this node's launch (never a relaunch alone).
+    partition_timeout: float = 10.0
+
+    @property
+    def coordinated(self) -> bool:
+        """Relaunches are coordinated over the admin endpoints (bare metal)."""
+        return self.role != "single" and bool(self.peers)
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     sglang: SGLangConfig
@@ -208,6 +231,7 @@ class Config:
         )
     )
     router: RouterConfig = RouterConfig()
+    group: GroupConfig = GroupConfig()
 
     def profile(self, name: str) -> Profile:
         if name == PRIMARY:
@@ -855,9 +879,58 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
     )
 
 
+def _arg_int(args: Mapping[str, ArgValue], *names: str) -> int | None:
+    for name in names:
+        value = args.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
+
+
+def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
+    """`group:` plus the role read from SGLang's own multi-node flags."""
+    p = "group"
+    s = r.section(
+        raw, p, ("peers", "token_file", "poll_interval", "poll_timeout", "partition_timeout")
+    )
+    args = cfg.sglang.args
+    nnodes = _arg_int(args, "nnodes") or 1
+    rank = _arg_int(args, "node-rank", "node_rank") or 0
+    role = "single" if nnodes <= 1 else ("leader" if rank == 0 else "follower")
+    peers = r.get(s, p, "peers", lambda v: tuple(_http_url(u) for u in _string_list(v)), ())
+    out = GroupConfig(
+        role=role,
+        nnodes=nnodes,
+        node_rank=rank,
+        peers=peers or (),
+        token_file=r.get(s, p, "token_file", _opt_absolute_path, None) or cfg.admin.token_file,
+        poll_interval=r.get(s, p, "poll_interval", _positive_duration, 0.5),
+        poll_timeout=r.get(s, p, "poll_timeout", _positive_duration, 1.0),
+        partition_timeout=r.get(s, p, "partition_timeout", _positive_duration, 10.0),
+    )
+    if rank >= nnodes:
+        r.error("sglang.args", f"node-rank {rank} is not below nnodes {nnodes}")
+    if role == "single" and out.peers:
+        r.error(f"{p}.peers", "set, but sglang.args.nnodes is not above 1")
+    if role == "follower" and len(out.peers) > 1:
+        r.error(f"{p}.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
+    if role == "leader" and out.peers and len(out.peers) != nnodes - 1:
+        r.error(f"{p}.peers", f"the leader lists its {nnodes - 1} followers; got {len(out.peers)}")
+    return out
+
+
 def warnings(cfg: Config) -> list[str]:
     """Problems that do not stop the daemon but are very likely mistakes (`check` prints them)."""
     out: list[str] = []
+    g = cfg.group
+    if g.role != "single" and not g.peers and cfg.restart.mode != "exit":
+        out.append(
+            f"group: this node is the {g.role} of a multi-node replica (sglang.args.nnodes "
+            f"{g.nnodes}) with neither group.peers (bare metal) nor restart.mode: exit (an "
+            "orchestrator): it would relaunch alone, and a node cannot rejoin a running group"
+        )
     rc = cfg.router
     if rc.url is not None:
         if is_loopback_url(rc.worker_url) and not is_loopback_url(rc.url):
@@ -888,6 +961,7 @@ TOP_KEYS = (
     "logging",
     "incidents",
     "router",
+    "group",
 )
 
 
@@ -1036,6 +1110,7 @@ def parse(text: str, file: str) -> Config:
         incidents=_incidents(r, top.get("incidents"), state_dir),
         router=_router(r, top.get("router"), sglang),
     )
+    cfg = replace(cfg, group=_group(r, top.get("group"), cfg))
     restart_raw = top.get("restart")
     if (
         not (isinstance(restart_raw, dict) and "fallback_profile" in restart_raw)

@@ -21,6 +21,7 @@ from supervisor import (
     admin,
     admin_token,
     fitness_watch,
+    group,
     host,
     log,
     probe,
@@ -44,6 +45,7 @@ from supervisor.machine import (
     DrainRequested,
     Event,
     Exit,
+    HostReady,
     Launch,
     Machine,
     NotifyReady,
@@ -137,6 +139,12 @@ class Daemon:
         self.monitor: fitness_watch.Monitor | None = None
         # At most one decode probe in flight against SGLang; a timed-out one is aborted.
         self.gate = probe.ProbeGate()
+        # A multi-node replica coordinated over the admin endpoints (docs/multinode.md).
+        self.group = (
+            group.Group(cfg, self.machine.ctx, fx.http, self.emit, fx.clock, fx.metrics)
+            if cfg.group.coordinated
+            else None
+        )
 
     @property
     def nvml(self) -> Nvml | None:
@@ -178,6 +186,7 @@ class Daemon:
                     self.cfg.admin.port,
                     on_drain=on_drain,
                     on_undrain=on_undrain,
+                    group=self.group,
                 )
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
@@ -189,6 +198,8 @@ class Daemon:
                 )
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
             self.observed.profile(None, self.machine.ctx.profile)
+            if self.group is not None:
+                self._spawn(self.group.run())
             self.emit(Start())
             while self._exit_code is None:
                 self.dispatch(await self.queue.get())
@@ -318,20 +329,21 @@ class Daemon:
                 else:
                     self.notifier.status(self.status_line())
                 self.launcher.end_watches(watches_end(action))
+                if self.group is not None:
+                    self.group.transitioned(action)
             case CleanHost():
                 profile = self.machine.ctx.profile
                 fx = self.fx
-                self._run(
-                    host.clean(
-                        self.cfg,
-                        profile,
-                        fx.store,
-                        fx.owner,
-                        self.nvml,
-                        self.observed,
-                        monitor=self.monitor,
-                    )
+                cleaned = host.clean(
+                    self.cfg,
+                    profile,
+                    fx.store,
+                    fx.owner,
+                    self.nvml,
+                    self.observed,
+                    monitor=self.monitor,
                 )
+                self._run(self._clean_then_join(cleaned))
             case Launch():
                 self.launcher.launch(action, before=self.pump.new_launch)
                 if self.launcher.child is not None and self.launcher.child.launch == action.launch:
@@ -422,6 +434,15 @@ class Daemon:
             self.recorder.server_info(info)
         self.observed.intent_checked(info, mismatches)
 
+    async def _clean_then_join(self, cleaned: Coroutine[Any, Any, Event]) -> Event:
+        """A follower launches only into the leader's next epoch (group.Group.join)."""
+        event = await cleaned
+        if self.group is not None and self.group.role == "follower" and isinstance(
+            event, HostReady
+        ) and not self.machine.ctx.handing_over:
+            await self.group.join()
+        return event
+
     async def _read_config(self) -> _Read:
         return _Read(await reload.read(self.cfg.path))
 
@@ -430,6 +451,8 @@ class Daemon:
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
         self.pump.configure(new)
         self.recorder.reconfigure(new)
+        if self.group is not None:
+            self.group.cfg = new  # timings and token file; the role and peers need a restart
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic
@@ -460,6 +483,8 @@ class Daemon:
         return self.clock() - self._beat < LOOP_STALE_S
 
     def is_ready(self) -> bool:
+        if self.group is not None:
+            return self.group.ready()
         return self.machine.state in SERVING
 
     def render_metrics(self) -> bytes:
@@ -488,4 +513,7 @@ class Daemon:
         return self.observed.status_line()
 
     def status_document(self) -> dict[str, Any]:
-        return self.observed.status_document()
+        doc = self.observed.status_document()
+        if self.group is not None:
+            doc["group"] = self.group.status()
+        return doc

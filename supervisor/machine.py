@@ -48,6 +48,7 @@ GpuFault report      =    =    =    =    =    =    =    =    =    =    .    .
 GpuFault restart     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
 DrainRequested       .    .    .    .    .    DRN  DRN  .    .    .    .    .
 UndrainRequested     .    .    .    .    .    .    .    RDY  .    .    .    .
+GroupEnded           .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
 ```
 """
 
@@ -88,6 +89,8 @@ class Reason(StrEnum):
     RELOAD = "reload"
     # A GPU was lost or the driver asked for a recovery action while SGLang ran.
     GPU_FAULT = "gpu_fault"
+    # Another node of a multi-node replica ended the group's launch (docs/multinode.md).
+    GROUP = "group"
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
@@ -281,6 +284,16 @@ class UndrainRequested:
     """POST /undrain: back to READY, and so registered again."""
 
 
+@dataclass(frozen=True)
+class GroupEnded:
+    """The multi-node group's launch (epoch) ended elsewhere or cannot go on: a peer's SGLang
+    died, the leader relaunched, or the admin channel is cut (docs/multinode.md). No node of
+    a group can rejoin a running one, so this node's launch ends too."""
+
+    launch: int
+    detail: str
+
+
 Event = (
     Start
     | HostReady
@@ -302,6 +315,7 @@ Event = (
     | ConfigRead
     | DrainRequested
     | UndrainRequested
+    | GroupEnded
 )
 
 
@@ -559,6 +573,8 @@ class Machine:
                 return self._child_gone(ChildGone(event.launch, None, None), now)
             case PortOpen() | ReadyLine() if self._current(event.launch):
                 return self._server_up(event, now)
+            case GroupEnded() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                return self._restart(Reason.GROUP, now, event.detail)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.FATAL_LOG, now, event.line)
             case FatalLog() if self._current(event.launch) and self._explains_exit():
@@ -654,6 +670,18 @@ class Machine:
             actions += self._to(State.WARMING, cause, now)
         elif ctx.state is not State.WARMING:
             return []
+        if self.cfg.group.role == "follower":
+            # A follower's port is SGLang's dummy health server, which answers 200 whatever
+            # the schedulers do (docs/sglang.md, "Multi-node"): nothing there to probe. Its
+            # schedulers are loaded once it listens; the replica's decode is the leader's.
+            ctx.ready_at = now
+            ctx.ever_ready = True
+            return [
+                *actions,
+                *self._to(State.READY, "follower_up", now, "schedulers up; decode on the leader"),
+                CancelTimer(TimerName.LOAD),
+                NotifyReady(),
+            ]
         if ctx.probe_in_flight:
             return actions
         ctx.probe_in_flight = True
@@ -779,6 +807,7 @@ class Machine:
         ctx.pending = Reason.FATAL_LOG
         ctx.pending_detail = event.line
         return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
+
     # ------------------------------------------------------------------ drain and router
 
     def drain_refusal(self) -> str | None:
@@ -810,7 +839,8 @@ class Machine:
     def _with_router(self, before: State, actions: list[Action]) -> list[Action]:
         """With router.url set: register on entering READY; deregister on leaving it, and
         before every stop of SGLang (whatever the reason), ahead of its StopChild."""
-        if not self.cfg.router.enabled:
+        if not self.cfg.router.enabled or self.cfg.group.role == "follower":
+            # Only the leader (rank 0) serves requests; a follower is never registered.
             return actions
         out: list[Action] = []
         deregistered = False
@@ -964,6 +994,7 @@ class Machine:
         detail = f"exit {code}: the orchestrator relaunches the group"
         return [*self._to(State.STOPPED, "restart_mode_exit", now, detail), Exit(code)]
 
+
 def extends_job(state: State, ever_ready: bool) -> bool:
     """Whether systemd's start (or stop) job is still running and must be extended.
 
@@ -989,3 +1020,88 @@ def watches_end(t: Transitioned) -> WatchesEnd:
     if t.old is State.LOADING or t.new not in (State.LAUNCHING, State.LOADING):
         return WatchesEnd(port=True, tree=t.new not in (State.RESTARTING, State.STOPPING))
     return WatchesEnd(port=False, tree=False)
+
+
+# ------------------------------------------------------------------------ multi-node group
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer's GET /group, as seen by a poll; None fields when it did not answer."""
+
+    epoch: str | None  # the leader's epoch the peer runs (leader: its own current one)
+    state: str | None  # the peer's machine state
+    running: bool  # the peer has a process of that epoch's launch
+    ready: bool  # the peer's own readiness (leader: the decode probe)
+
+
+def epoch_running(state: State) -> bool:
+    """A launch of this node is under way or serving: the epoch is live here."""
+    return state in CHILD_STATES
+
+
+def leader_ends(
+    epoch: str,
+    state: State,
+    peer: PeerView | None,
+    joined: bool,
+    unreachable_s: float,
+    partition_timeout: float,
+) -> str | None:
+    """Leader: why its current epoch must end because of one follower, or None.
+
+    `joined`: the follower has been seen running this epoch. A follower that joined and then
+    shows another epoch or no process (its SGLang died, its daemon restarted) ends the epoch:
+    a node cannot rejoin a running group, and the others would block in NCCL until SGLang's
+    watchdog. A follower unreachable for `partition_timeout` ends it too (it ends its own).
+    """
+    if not epoch_running(state):
+        return None
+    if peer is None:
+        # One that never joined is the load timeout's business (rank 0 waits for it).
+        if joined and unreachable_s >= partition_timeout:
+            return f"follower unreachable for {unreachable_s:.1f}s"
+        return None
+    if joined and (peer.epoch != epoch or not peer.running):
+        return f"follower left epoch {epoch} (now {peer.epoch or 'none'}, state {peer.state})"
+    return None
+
+
+def follower_ends(
+    my_epoch: str | None,
+    state: State,
+    leader: PeerView | None,
+    unreachable_s: float,
+    partition_timeout: float,
+) -> str | None:
+    """Follower: why its launch must end, or None. Never a reason to relaunch alone: after
+    this the follower cleans and waits for the leader's next epoch (`follower_may_join`)."""
+    if my_epoch is None or not epoch_running(state):
+        return None
+    if leader is None:
+        if unreachable_s >= partition_timeout:
+            return f"leader unreachable for {unreachable_s:.1f}s"
+        return None
+    if leader.epoch != my_epoch:
+        return f"leader epoch {my_epoch} ended (now {leader.epoch or 'none'})"
+    if not leader.running:
+        return f"leader epoch {my_epoch} ended (leader {leader.state})"
+    return None
+
+
+def follower_may_join(leader: PeerView | None, last_epoch: str | None) -> bool:
+    """A follower launches only into the leader's current epoch while it is still starting
+    (its rank 0 waits for the others at --dist-init-addr), and never into one it already ran."""
+    if leader is None or leader.epoch is None or leader.epoch == last_epoch:
+        return False
+    return leader.running and not leader.ready
+
+
+def group_ready(role: str, state: State, my_epoch: str | None, leader: PeerView | None) -> bool:
+    """/readyz: the leader's own decode-verified state; a follower only while its processes
+    live and the leader reports the same epoch ready."""
+    if state not in SERVING:
+        return False
+    if role != "follower":
+        return True
+    return leader is not None and leader.ready and leader.epoch == my_epoch

@@ -92,6 +92,12 @@ class Metrics:
             "1 when SGLang has passed a real decode probe and is serving (ready or degraded).",
             registry=r,
         )
+        self.group_peer_up = Gauge(
+            "kimi_serve_group_peer_up",
+            "A multi-node replica: 1 when the peer's admin endpoint answered the last poll.",
+            ["peer"],
+            registry=r,
+        )
         self.restarts = Counter(
             "kimi_serve_restarts", "SGLang restarts, by reason.", ["reason"], registry=r
         )

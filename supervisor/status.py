@@ -49,6 +49,20 @@ def render(doc: dict[str, Any], now: float) -> str:
         )
     else:
         out.append("    SGLang: not running")
+    group = doc.get("group")
+    if isinstance(group, dict):
+        ready = "ready" if group.get("ready") else "not ready"
+        out.append(
+            f"     Group: {group.get('role')} (node rank {group.get('node_rank')}), "
+            f"epoch {group.get('epoch') or '-'}, {ready}"
+        )
+        for p in group.get("peers") or []:
+            seen = (
+                f"epoch {p.get('epoch') or '-'}, {p.get('state')}"
+                if p.get("reachable")
+                else f"UNREACHABLE for {p.get('unreachable_s')} s: {p.get('error')}"
+            )
+            out.append(f"      peer {p.get('url')}: {seen}")
     restarts = doc.get("restarts") or {}
     total = sum(restarts.values())
     by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))

@@ -45,6 +45,9 @@ class ServerArgs:
     attention_backend: str | None = None
     disable_overlap_schedule: bool = False
     max_running_requests: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     recorded: dict[str, Recorded] = dataclasses.field(default_factory=dict)
 
     @property
@@ -109,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", default=None)
     return p
 
 

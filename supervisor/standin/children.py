@@ -45,7 +45,7 @@ class Children:
         self._ready_fd: int | None = None
         self._ready = 0
 
-    def spawn(self, tp_size: int, options: ChildOptions) -> None:
+    def spawn(self, tp_size: int, options: ChildOptions, detokenizer: bool = True) -> None:
         """Start the schedulers and the detokenizer.
 
         Must run on the main thread: PR_SET_PDEATHSIG fires when the thread that forked the
@@ -65,7 +65,9 @@ class Children:
             flags += ["--orphan", "--lifetime", str(options.lifetime)]
         if options.ignore_sigterm:
             flags.append("--ignore-sigterm")
-        for role in [*(scheduler_role(r, tp_size) for r in range(tp_size)), DETOKENIZER]:
+        # Ranks >= 1 of a multi-node group run schedulers only (entrypoints/engine.py:1234).
+        roles = [scheduler_role(r, tp_size) for r in range(tp_size)]
+        for role in [*roles, *([DETOKENIZER] if detokenizer else [])]:
             argv = [sys.executable, "-m", "supervisor.standin.child", *flags, "--role", role]
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, pass_fds=(ready_w,))
             self._procs.append((role, proc))

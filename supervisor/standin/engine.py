@@ -165,6 +165,8 @@ class Engine:
         self.status = Status.STARTING
         self.draining = False
         self.scheduler_dead = False
+        # Multi-node: another node's processes died; every collective blocks (standin/nodes.py).
+        self.peer_lost = False
         # tokenizer_manager.rid_to_state: requests accepted and not yet answered (what a
         # SIGTERM drain waits for), and the scheduler's running batch (num_running_reqs).
         self.open_requests: set[str] = set()
@@ -263,7 +265,7 @@ class Engine:
             self.scheduler_died()
             self.log.tp(0, tracebacks.SEED_INCIDENT)
             self._on_fatal()
-        if self.scheduler_dead:
+        if self.scheduler_dead or self.peer_lost:
             await _forever()  # nothing is left to answer; the connection dies with the process
         n = 0 if outcome is Outcome.ZERO else max_new_tokens
         self.running.add(rid)

@@ -31,6 +31,7 @@ from supervisor.standin.children import DETOKENIZER, ChildOptions, Children, Dea
 from supervisor.standin.engine import Engine, Status
 from supervisor.standin.faults import Settings, SettingsError
 from supervisor.standin.logs import Log
+from supervisor.standin.nodes import Rendezvous, dummy_health_app
 
 READY_LINE = "The server is fired up and ready to roll!"
 SHARDS = 64
@@ -65,6 +66,17 @@ class Server:
         # Held here: the event loop keeps only weak references to tasks.
         self._watcher: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self.follower = self.args.nnodes > 1 and self.args.node_rank >= 1
+        self.rendezvous = (
+            Rendezvous(
+                self.args.dist_init_addr or "127.0.0.1:5000",
+                self.args.nnodes,
+                self.args.node_rank,
+                self._peer_lost,
+            )
+            if self.args.nnodes > 1
+            else None
+        )
 
     # -- events ---------------------------------------------------------------------------
 
@@ -98,6 +110,11 @@ class Server:
                 self._deaths.extend(deaths)
                 self._post(CHILD_DIED)
 
+    def _peer_lost(self) -> None:
+        # NCCL: the survivors block in their next collective; nothing exits, nothing logs
+        # until SGLang's own watchdog (300 s), which the stand-in does not model.
+        self.engine.peer_lost = True
+
     def _exit(self, code: int) -> NoReturn:
         self.children.kill_all()
         os._exit(code)
@@ -124,6 +141,7 @@ class Server:
                 ignore_sigterm=self.settings.has(f.IGNORE_SIGTERM),
                 lifetime=self.settings.orphan_lifetime,
             ),
+            detokenizer=not self.follower,
         )
         self._watcher = asyncio.create_task(self._watch_children())
         if self.settings.has(f.LOG_FLOOD):
@@ -131,6 +149,8 @@ class Server:
             if self.settings.flood_only:
                 self._exit(0)
         await self._load()
+        if self.follower:
+            await self._serve_follower()
         self._runner = await self._bind()
         await self._warmup()
         if self.settings.has(f.EXIT_AFTER):
@@ -195,6 +215,9 @@ class Server:
         await until(0.02)
         for rank in range(self.args.tp_size):
             tp(rank, "Init torch distributed begin.")
+        if self.rendezvous is not None:
+            await self.rendezvous.meet()
+            t0 = time.monotonic() - 0.02 * load  # the wait for the others is no load time
         await until(0.05)
         for rank in range(self.args.tp_size):
             tp(rank, "Init torch distributed ends. mem usage=0.00 GB")
@@ -275,6 +298,31 @@ class Server:
         self._startup_event(await self._pause(0))
         self.engine.status = Status.UP
         self.log.info(READY_LINE)
+
+    async def _serve_follower(self) -> NoReturn:
+        """Rank >= 1: the dummy health server, then wait for the schedulers to exit. SIGTERM
+        only logs: rank 0's ShutdownReq stops every rank (entrypoints/engine.py:1262-1272)."""
+        runner = web.AppRunner(dummy_health_app(), handle_signals=False, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.args.host, self.args.port).start()
+        except OSError as exc:
+            self.log.uvicorn_error(str(exc))
+            self._exit(1)
+        self._runner = runner
+        self.log.uvicorn(f"Uvicorn running on http://{self.args.host}:{self.args.port}")
+        while True:
+            event = await self._pause(None)
+            if event == SIGTERM:
+                self.log.info(
+                    f"SIGTERM received on node_rank {self.args.node_rank}; waiting for the "
+                    "rank-0 ShutdownReq broadcast to stop the schedulers."
+                )
+            elif event == SIGINT:
+                self._exit(0)
+            elif event == CHILD_DIED:
+                self._deaths.clear()
+                self._exit(1)  # block_until_scheduler_exits returned
 
     # -- serving --------------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ import os
 import signal
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
@@ -52,7 +51,7 @@ def test_a_requested_restart_still_relaunches_in_place(tmp_path: Path) -> None:
     cfg = base_config(tmp_path, restart={"mode": "exit"})
     with running(tmp_path, cfg) as d:
         d.wait_state("ready")
-        r = httpx.post(d.admin + "/restart", timeout=5)
+        r = d.post("/restart")  # with the admin token
         assert r.status_code == 202
         assert d.wait_state("restarting")["reason"] == "manual"
         d.wait_state("cleaning")

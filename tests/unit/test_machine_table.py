@@ -21,6 +21,7 @@ from supervisor.machine import (
     FatalLog,
     GpuFault,
     GpuUnfit,
+    GroupEnded,
     HostNotReady,
     HostReady,
     Launched,
@@ -109,6 +110,7 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "GpuFault restart": lambda d: GpuFault("GPU 0 is lost", restart=True),
     "DrainRequested": lambda d: DrainRequested(),
     "UndrainRequested": lambda d: UndrainRequested(),
+    "GroupEnded": lambda d: GroupEnded(d.launch, "follower left epoch"),
 }
 
 
