@@ -77,7 +77,7 @@ from supervisor.machine import (
     watches_end,
 )
 from supervisor.notify import watchdog_interval
-from supervisor.nvml import Nvml, NvmlUnavailable
+from supervisor.nvml import Nvml
 from supervisor.observed import Observed
 from supervisor.preflight import EX_CONFIG
 from supervisor.recorder import IncidentRecorder
@@ -140,7 +140,7 @@ class Daemon:
         # At most one decode probe in flight against SGLang; a timed-out one is aborted.
         self.gate = probe.ProbeGate()
         # A multi-node replica coordinated over the admin endpoints (docs/multinode.md).
-        self.group = (
+        self.group = self.observed.group = (
             group.Group(cfg, self.machine.ctx, fx.http, self.emit, fx.clock, fx.metrics)
             if cfg.group.coordinated
             else None
@@ -172,7 +172,9 @@ class Daemon:
             code = await self._prepare()
             if code is not None:
                 return code
-            await self._watch_fitness()
+            self.monitor = self.observed.monitor = await fitness_watch.start(
+                self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
+            )
             if self.router is not None:
                 # Whatever a previous run left in the router's list is not decode-verified.
                 self.router.begin_deregister("startup")
@@ -219,27 +221,6 @@ class Daemon:
         except startup.CannotStart as exc:
             return self._fatal(str(exc), exc.code)
         return None
-
-    async def _watch_fitness(self) -> None:
-        """The fitness monitor of the managed GPUs and its Xid watcher task (docs/gpu.md)."""
-        source = fitness_watch.health_source(self.nvml)
-        if source is None:
-            return
-        m = self.metrics
-        self.monitor = self.observed.monitor = fitness_watch.Monitor(
-            source,
-            self.cfg.gpus.devices,
-            self.emit,
-            gauge=m.set_gpu_healthy,
-            count_xid=m.count_xid,
-            log=self.log.warning,
-        )
-        try:
-            events = await fitness_watch.open_events(source)
-        except NvmlUnavailable as exc:
-            self.log.warning("no Xid watcher: NVML's event set cannot be opened", error=str(exc))
-            return
-        self._spawn(self.monitor.watch(events))
 
     def _loop_exception(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # One line, at most once a minute per message: asyncio's accept loop retries EMFILE
@@ -513,7 +494,4 @@ class Daemon:
         return self.observed.status_line()
 
     def status_document(self) -> dict[str, Any]:
-        doc = self.observed.status_document()
-        if self.group is not None:
-            doc["group"] = self.group.status()
-        return doc
+        return self.observed.status_document()

@@ -167,3 +167,33 @@ async def open_events(source: HealthSource) -> EventSource:
         raise NvmlUnavailable(
             f"NVML did not open its event set within {NVML_CALL_TIMEOUT:g}s"
         ) from None
+
+
+async def start(
+    nvml: object,
+    devices: Any,
+    emit: Callable[[Any], None],
+    metrics: Any,
+    log: Any,
+    spawn: Callable[[Any], object],
+) -> Monitor | None:
+    """The daemon's fitness monitor of the managed GPUs and its Xid watcher task (docs/gpu.md);
+    None where NVML gives no health source (gpus.manage off)."""
+    source = health_source(nvml)
+    if source is None:
+        return None
+    monitor = Monitor(
+        source,
+        devices,
+        emit,
+        gauge=metrics.set_gpu_healthy,
+        count_xid=metrics.count_xid,
+        log=log.warning,
+    )
+    try:
+        events = await open_events(source)
+    except NvmlUnavailable as exc:
+        log.warning("no Xid watcher: NVML's event set cannot be opened", error=str(exc))
+        return monitor
+    spawn(monitor.watch(events))
+    return monitor

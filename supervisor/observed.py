@@ -69,6 +69,7 @@ class Observed:
         self.host: dict[str, Any] = {}
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
         self.router: RouterLink | None = None  # set by the daemon when router.url is set
+        self.group: Any = None  # supervisor.group.Group of a coordinated multi-node replica
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None
@@ -302,4 +303,5 @@ class Observed:
             "intent": self.intent,
             "events": list(self.events),
             "router": None if self.router is None else self.router.status(),
+            **({} if self.group is None else {"group": self.group.status()}),
         }
