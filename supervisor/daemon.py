@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, admin_token, host, log, probing, reload, startup
+from supervisor import admin, admin_token, command, host, log, probing, reload, startup
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
 from supervisor.launcher import Launcher
@@ -27,6 +27,8 @@ from supervisor.machine import (
     Action,
     CancelTimer,
     CheckIntent,
+    ChildExited,
+    ChildGone,
     CleanHost,
     ConfigRead,
     Event,
@@ -136,6 +138,8 @@ class Daemon:
                     1,
                 )
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
+            for warning in command.launch_warnings(self.cfg):
+                self.log.warning(warning)
             self.observed.profile(None, self.machine.ctx.profile)
             self.emit(Start())
             while self._exit_code is None:
@@ -231,6 +235,11 @@ class Daemon:
                 assert isinstance(item.config, Config)
                 self._take(item.config)
             item = ConfigRead(verdict)
+        elif isinstance(item, ChildExited | ChildGone):
+            # A traceback whose end never came is the death's cause: its verdict goes first.
+            fatal = self.pump.settle_now(item.launch)
+            if fatal is not None:
+                self.dispatch(fatal)
         for action in self.machine.handle(item, self.clock()):
             self._do(action)
 

@@ -1,7 +1,7 @@
 """The real `kimi-serve run` against the real SGLang 0.5.23 server on this CPU.
 
 The server side (environment, tiny model, CPU flags, fault hook) is tests/realsglang/server.py
-and tools/sglang-env; the daemon side is tests/integration/harness.py, unchanged: the daemon's
+and tools/sglang-env; the daemon side is the project's test kit (testkit/), unchanged: the daemon's
 JSON log lines on a queue, `wait_state()` blocking on them. Each launch of the real server
 costs 20-60 s on two cores, so one daemon serves a whole module (`module_daemon`), and the
 tests of a module run in file order against it.
@@ -23,7 +23,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.integration import harness
+import testkit
+from testkit.daemon import _merge
 from tests.realsglang import server as real
 
 # SGLang's serving flags on a CPU (server.SERVER_FLAGS) as config args.
@@ -48,13 +49,13 @@ def daemon_config(
     env: dict[str, str] | None = None,
     **sections: Any,
 ) -> dict[str, Any]:
-    cfg = harness.base_config(tmp)
+    cfg = testkit.base_config(tmp)
     cfg["sglang"] = {
         "python": sgl.python,
         "module": "sglang.launch_server",
         "model_path": sgl.model,
         "host": "127.0.0.1",
-        "port": harness.free_port(),
+        "port": testkit.free_port(),
         "args": {**CPU_ARGS, **(args or {})},
         "env": {
             # What a real server needs on a CPU (server.server_env()).
@@ -69,7 +70,7 @@ def daemon_config(
         },
     }
     cfg["profiles"] = {}
-    harness._merge(
+    _merge(
         cfg,
         {
             "readiness": {
@@ -85,7 +86,7 @@ def daemon_config(
             "stop": {"drain_timeout": "20s"},
         },
     )
-    harness._merge(cfg, sections)
+    _merge(cfg, sections)
     return cfg
 
 
@@ -98,7 +99,7 @@ def sgl() -> real.SGLangEnv:
 class Real:
     """A running daemon with a real SGLang under it."""
 
-    d: harness.Daemon
+    d: testkit.DaemonProcess
     tmp: Path
 
     @property
@@ -133,7 +134,7 @@ class Real:
 
 @contextlib.contextmanager
 def real_daemon(tmp: Path, cfg: dict[str, Any]) -> Iterator[Real]:
-    with harness.running(tmp, cfg) as d:
+    with testkit.running(tmp, cfg) as d:
         yield Real(d, tmp)
 
 

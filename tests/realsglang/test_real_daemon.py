@@ -212,10 +212,6 @@ def test_sigkill_of_a_process_of_the_launch(served: Real, title: str) -> None:
     DEATHS[title] = last
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the daemon does not yet pass ExitInfo.process into ChildExited(process=...)",
-)
 def test_the_restart_names_the_worker_that_died() -> None:
     assert DEATHS, "the death tests did not run"
     for title, last in DEATHS.items():
