@@ -141,7 +141,7 @@ def _ride_out(r: Real, futures: list[concurrent.futures.Future[Any]]) -> list[di
     while not all(f.done() for f in futures):
         status = r.d.status()
         assert status["restarts"] == {}, status["last_restart"]
-        assert status["state"] in ("ready", "degraded"), status["events"][-3:]
+        assert status["state"] in ("ready", "degraded"), (status["events"][-3:], probes[-4:])
         assert status["child"]["launch"] == launch
         p = status["last_probe"]
         if p and (not probes or p["at"] != probes[-1]["at"]):
@@ -152,7 +152,7 @@ def _ride_out(r: Real, futures: list[concurrent.futures.Future[Any]]) -> list[di
 
 def test_a_saturated_server_is_not_restarted(served: Real) -> None:
     # Six 1500-token generations on a server that runs two at a time: nothing finishes for
-    # seconds, the liveness probe (1 s interval, 2 s timeout, threshold 2) waits in the queue.
+    # seconds, the liveness probe (1 s interval, 5 s timeout, threshold 3) waits in the queue.
     futures = _flood(served, 6, LONG, "Tell me a long story.")
     probes = _ride_out(served, futures)
     answers = [f.result() for f in futures]
