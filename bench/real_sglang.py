@@ -115,7 +115,10 @@ def one_round(python: str, model: str) -> dict[str, float]:
             loading = d.wait_for(_is_state("loading"), 120, "loading")
             warming = d.wait_for(_is_state("warming"), 300, "warming")
             ready = d.wait_for(_is_state("ready"), 300, "ready")
-            rolled = [e for e in d.seen if READY_LINE in str(e.get("event"))]
+            # Our probe usually passes before SGLang's warmup prints its line: wait for it.
+            rolled = [e for e in d.seen if READY_LINE in str(e.get("event"))] or [
+                d.wait_for(lambda e: READY_LINE in str(e.get("event")), 120, "ready line")
+            ]
             sched = next(
                 p
                 for p in d.status()["child"]["processes"]
@@ -135,8 +138,8 @@ def one_round(python: str, model: str) -> dict[str, float]:
                 "scheduler_kill_to_readyz_503_s": to_503,
                 "scheduler_kill_to_ready_again_s": _at(again) - killed_at,
             }
-            if rolled:  # SGLang's own warmup finished and said so
-                row["readiness_lag_from_ready_line_s"] = _at(ready) - _at(rolled[0])
+            # Negative: kimi-serve was ready before SGLang's own warmup said so.
+            row["readiness_lag_from_ready_line_s"] = _at(ready) - _at(rolled[0])
             return row
         finally:
             d.stop(60)
