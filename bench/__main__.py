@@ -4,6 +4,7 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench                 # everything, about 5 minutes
     .venv/bin/python -m bench --quick         # tiny sizes, well under 30 s
     .venv/bin/python -m bench --only kimi-serve,health-poller --json out.json
+    .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -29,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench import report, scenarios
+from bench import real_sglang, report, scenarios
 from bench import supervisord as sv_mod
 from bench.common import RUN_ID, Procs, sweep_marked
 from bench.scenarios import APPROACHES, KIMI, POLLER, SUPERVISORD, SYSTEMD, Ctx, Settings
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--real-sglang", type=int, default=0, metavar="ROUNDS",
+                   help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
+                        "needs tools/sglang-env, about a minute each)")
     a = p.parse_args(argv)
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
     unknown = set(only) - set(APPROACHES)
@@ -222,6 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
+    real_table = ""
+    if a.real_sglang > 0:
+        try:
+            done = real_sglang.rows(a.real_sglang)
+            summary = real_sglang.summarise(done)
+            results["real_sglang"] = {"rounds": done, "summary": summary}
+            real_table = real_sglang.table(summary, a.real_sglang)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
+            results["not_measured"]["real_sglang"] = f"{type(exc).__name__}: {first}"
     tables = report.all_tables(results)
     m = results["machine"]
     head = (f"kimi-serve bench ({'quick' if a.quick else 'full'}) on {m['cpu']}, {m['cores']} "
@@ -231,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print()
     print(report.text(tables))
+    if real_table:
+        print()
+        print(real_table)
     for name, why in results["not_measured"].items():
         print(f"not measured: {name}: {why}")
     if results["left_behind"]:
@@ -238,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(results, indent=1, default=str))
     if a.markdown:
-        a.markdown.write_text(head + "\n\n" + report.markdown(tables))
+        real_md = f"\n\n```\n{real_table}\n```\n" if real_table else ""
+        a.markdown.write_text(head + "\n\n" + report.markdown(tables) + real_md)
     return 1 if results["left_behind"] else 0
 
 

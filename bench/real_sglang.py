@@ -4,9 +4,11 @@
 
 Needs the environment of `tools/sglang-env` (real SGLang, stock torch, the tiny model) and the
 name-only `sgl_kernel` of tools/sglang-env.d. Per round: one launch of the real daemon
-(`kimi-serve run`) on the real server; launch -> ready; the readiness lag from the port opening
-(our decode probe after SGLang's port answers); SIGKILL of the real scheduler -> /readyz 503
-and -> ready again. docs/benchmarks.md has the figures.
+(`kimi-serve run`, testkit.DaemonProcess: its JSON log lines as they are printed) on the real
+server; launch -> ready; the readiness lag from the port opening (warming: our decode probe
+after SGLang's port answers) and from SGLang's own "ready to roll" line; SIGKILL of the real
+scheduler -> /readyz 503 and -> ready again. `python -m bench --real-sglang` adds these rows to
+the main bench. docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,10 @@ import httpx
 import psutil
 import yaml
 
-from bench.common import free_port
+from testkit import DaemonProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).with_name("kimi-serve")
+READY_LINE = "The server is fired up and ready to roll!"  # http_server.py:2600 (0.5.23)
 CPU_ARGS: dict[str, Any] = {
     "device": "cpu",
     "attention-backend": "torch_native",
@@ -86,32 +89,18 @@ def config(work: Path, python: str, model: str) -> dict[str, Any]:
         "gpus": {"manage": False},
         "admin": {"listen": f"127.0.0.1:{free_port()}"},
         "state_dir": str(work / "state"),
-        "logging": {"format": "json", "level": "warning"},
+        # info: SGLang's lines come through, the "ready to roll" one with its time.
+        "logging": {"format": "json", "level": "info"},
     }
 
 
-def _status(admin: str) -> dict[str, Any] | None:
-    try:
-        doc: dict[str, Any] = httpx.get(admin + "/status", timeout=5).json()
-        return doc
-    except (httpx.HTTPError, ValueError):
-        return None
+def _at(event: dict[str, Any]) -> float:
+    """Unix time of one of the daemon's JSON log lines."""
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def _event_at(status: dict[str, Any], to: str, after: float = 0.0) -> float | None:
-    times = [e["at"] for e in status["events"] if e["to"] == to and e["at"] > after]
-    return times[-1] if times else None
+def _is_state(to: str) -> Any:
+    return lambda e: e.get("event") == "state" and e.get("new") == to
 
 
 def one_round(python: str, model: str) -> dict[str, float]:
@@ -120,40 +109,63 @@ def one_round(python: str, model: str) -> dict[str, float]:
         cfg = config(work, python, model)
         path = work / "kimi-serve.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        admin = f"http://{cfg['admin']['listen']}"
-        daemon = subprocess.Popen(
-            [str(BIN), "run", "--config", str(path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        d = DaemonProcess.start(path, cfg, env)
         try:
-            st = _wait(lambda: (s := _status(admin)) and s["state"] == "ready" and s, 300, "ready")
-            launched, warming, ready = (_event_at(st, x) for x in ("loading", "warming", "ready"))
-            assert launched and warming and ready
+            loading = d.wait_for(_is_state("loading"), 120, "loading")
+            warming = d.wait_for(_is_state("warming"), 300, "warming")
+            ready = d.wait_for(_is_state("ready"), 300, "ready")
+            # Our probe usually passes before SGLang's warmup prints its line: wait for it.
+            rolled = [e for e in d.seen if READY_LINE in str(e.get("event"))] or [
+                d.wait_for(lambda e: READY_LINE in str(e.get("event")), 120, "ready line")
+            ]
             sched = next(
                 p
-                for p in st["child"]["processes"]
-                if psutil.Process(p).cmdline()[:1] == ["sglang::scheduler"]
+                for p in d.status()["child"]["processes"]
+                if " ".join(psutil.Process(p).cmdline()).startswith("sglang::scheduler")
             )
-            with httpx.Client() as client:
+            with httpx.Client(trust_env=False) as client:
                 t0 = time.monotonic()
                 killed_at = time.time()
                 os.kill(sched, signal.SIGKILL)
-                while client.get(admin + "/readyz", timeout=5).status_code == 200:
+                while client.get(d.admin + "/readyz", timeout=5).status_code == 200:
                     pass
                 to_503 = time.monotonic() - t0
-            again = _wait(
-                lambda: (s := _status(admin)) and _event_at(s, "ready", killed_at), 300, "again"
-            )
-            return {
-                "launch_to_ready_s": ready - launched,
-                "readiness_lag_from_port_s": ready - warming,
+            again = d.wait_for(_is_state("ready"), 300, "ready again")
+            row = {
+                "launch_to_ready_s": _at(ready) - _at(loading),
+                "readiness_lag_from_port_s": _at(ready) - _at(warming),
                 "scheduler_kill_to_readyz_503_s": to_503,
-                "scheduler_kill_to_ready_again_s": again - killed_at,
+                "scheduler_kill_to_ready_again_s": _at(again) - killed_at,
             }
+            # Negative: kimi-serve was ready before SGLang's own warmup said so.
+            row["readiness_lag_from_ready_line_s"] = _at(ready) - _at(rolled[0])
+            return row
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(60)
+            d.stop(60)
+
+
+def rows(rounds: int) -> list[dict[str, float]]:
+    python, model = sglang_env()
+    return [one_round(python, model) for _ in range(rounds)]
+
+
+def summarise(done: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    keys = list(dict.fromkeys(k for r in done for k in r))  # in the order measured
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in done if k in r),
+            "max": max(r[k] for r in done if k in r),
+        }
+        for k in keys
+    }
+
+
+def table(summary: dict[str, dict[str, float]], rounds: int) -> str:
+    out = [f"{'figure':<36} {'median':>9} {'max':>9}   ({rounds} rounds, real SGLang 0.5.23)"]
+    for k, v in summary.items():
+        out.append(f"{k:<36} {v['median']:>9.3f} {v['max']:>9.3f}")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,17 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    python, model = sglang_env()
-    rows = [one_round(python, model) for _ in range(args.rounds)]
-    summary = {
-        k: {"median": statistics.median(r[k] for r in rows), "max": max(r[k] for r in rows)}
-        for k in rows[0]
-    }
-    print(f"{'figure':<36} {'median':>9} {'max':>9}   ({args.rounds} rounds, real SGLang 0.5.23)")
-    for k, v in summary.items():
-        print(f"{k:<36} {v['median']:>9.3f} {v['max']:>9.3f}")
+    done = rows(args.rounds)
+    summary = summarise(done)
+    print(table(summary, args.rounds))
     if args.json:
-        args.json.write_text(json.dumps({"rounds": rows, "summary": summary}, indent=2))
+        args.json.write_text(json.dumps({"rounds": done, "summary": summary}, indent=2))
     return 0
 
 

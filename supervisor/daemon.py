@@ -40,6 +40,8 @@ from supervisor.machine import (
     Action,
     CancelTimer,
     CheckIntent,
+    ChildExited,
+    ChildGone,
     CleanHost,
     ConfigRead,
     DrainRequested,
@@ -297,6 +299,11 @@ class Daemon:
                 assert isinstance(item.config, Config)
                 self._take(item.config)
             item = ConfigRead(verdict)
+        elif isinstance(item, ChildExited | ChildGone):
+            # A traceback whose end never came is the death's cause: its verdict goes first.
+            fatal = self.pump.settle_now(item.launch)
+            if fatal is not None:
+                self.dispatch(fatal)
         self._observe(item)
         for action in self.machine.handle(item, self.clock()):
             self._do(action)
@@ -313,16 +320,9 @@ class Daemon:
                 if self.group is not None:
                     self.group.transitioned(action)
             case CleanHost():
-                profile = self.machine.ctx.profile
-                fx = self.fx
+                fx, profile = self.fx, self.machine.ctx.profile
                 cleaned = host.clean(
-                    self.cfg,
-                    profile,
-                    fx.store,
-                    fx.owner,
-                    self.nvml,
-                    self.observed,
-                    monitor=self.monitor,
+                    self.cfg, profile, fx.store, fx.owner, self.nvml, self.observed, self.monitor
                 )
                 self._run(self._clean_then_join(cleaned))
             case Launch():

@@ -119,9 +119,14 @@ class Launcher:
 
     def exited(self, child: Child) -> None:
         assert child.exit is not None
-        self.emit(ChildExited(child.launch, child.exit.exit_code, child.exit.signal))
+        ended = child.exit
+        self.emit(ChildExited(child.launch, ended.exit_code, ended.signal, process=ended.process))
         self.log.info(
-            "sglang exited", pid=child.pid, exit_code=child.exit.exit_code, signal=child.exit.signal
+            "sglang exited",
+            pid=child.pid,
+            exit_code=ended.exit_code,
+            signal=ended.signal,
+            process=ended.process or "main",
         )
 
     def stop(self, action: StopChild) -> None:

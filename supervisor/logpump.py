@@ -48,6 +48,7 @@ class LogPump:
         self._forward = (float(FORWARD_BURST), clock())
         self._suppressed = 0
         self._suppressed_since = 0.0
+        self._pending_launch: int | None = None  # the launch whose traceback awaits its end
 
     def configure(self, cfg: Config) -> None:
         """A reloaded configuration: new fatal patterns and tail length."""
@@ -55,6 +56,7 @@ class LogPump:
 
     def new_launch(self) -> None:
         self.scanner.reset()
+        self._pending_launch = None
 
     def tail(self) -> list[str]:
         return self.scanner.tail()
@@ -91,11 +93,25 @@ class LogPump:
             elif verdict.fatal:
                 self.emit(FatalLog(launch, self.scanner.evidence[:300]))
             elif verdict.fatal_pending:
+                self._pending_launch = launch
                 asyncio.get_running_loop().call_later(FATAL_SETTLE_S, self._settle, launch)
         self._forward = (tokens, now)
 
     def _settle(self, launch: int) -> None:
         # The exception line did not come: the traceback's head is the evidence. A launch that
         # is no longer current is dropped by the machine.
-        if self.scanner.settle():
-            self.emit(FatalLog(launch, self.scanner.evidence))
+        fatal = self.settle_now(launch)
+        if fatal is not None:
+            self.emit(fatal)
+
+    def settle_now(self, launch: int) -> FatalLog | None:
+        """The launch's traceback still pending, as a verdict now: its processes died before
+        the exception line came (real SGLang kills the group by signal 9 right after logging a
+        scheduler's exception, docs/sglang.md). The death must read as that traceback, not as
+        a kill by signal 9."""
+        if self._pending_launch != launch or not self.scanner.pending:
+            return None
+        self._pending_launch = None
+        if self.scanner.settle() is None:
+            return None
+        return FatalLog(launch, self.scanner.evidence[:300])

@@ -74,6 +74,9 @@ class ExitInfo:
 _WORKER_MARKS = ("multiprocessing.spawn", "multiprocessing.resource_tracker", "sglang::")
 
 
+SPAWN_TITLE = "multiprocessing.spawn child"  # a worker before setproctitle ran in it
+
+
 def worker_title(cmdline: list[str]) -> str | None:
     """A short name for an SGLang worker process, or None if the command line is not one."""
     joined = " ".join(a for a in cmdline if a)
@@ -83,7 +86,7 @@ def worker_title(cmdline: list[str]) -> str | None:
         return cmdline[0]
     if "resource_tracker" in joined:
         return "multiprocessing.resource_tracker"
-    return "multiprocessing.spawn child"
+    return SPAWN_TITLE
 
 
 def exit_status_of_zombie(pid: int, proc_root: str = "/proc") -> tuple[int | None, int | None]:
@@ -368,6 +371,7 @@ class ProcessOwner:
             if not child.exited.is_set():
                 self._reaped(child)
             return
+        title = child.watched.get(ident, title)  # as refresh_tree last named it
         self._launch_ended(child, ExitInfo(code, sig, process=f"{title} (pid {ident.pid})"))
 
     def refresh_tree(self, child: Child) -> bool:
@@ -379,6 +383,11 @@ class ProcessOwner:
             return False
         new = set(descendants(child.pid)) - child.known
         child.known |= new
+        for ident, seen in list(child.watched.items()):
+            # First seen as a bare spawn child, before setproctitle named it: the name it has
+            # now is the one a restart's detail must give (`sglang::scheduler`).
+            if seen == SPAWN_TITLE:
+                child.watched[ident] = _title_of(ident) or seen
         if child.exit is None:
             for ident in sorted(new):
                 title = _title_of(ident)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from supervisor import host, log, preflight
+from supervisor import command, host, log, preflight
 from supervisor.config import Config
 from supervisor.effects import Effects
 from supervisor.nvml import Nvml, NvmlUnavailable
@@ -59,6 +59,8 @@ async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
         log.get().error("preflight", message=check.message, **what)
     if code is not None:
         raise CannotStart(preflight.summary(checks), code)
+    for warning in command.launch_warnings(cfg):  # e.g. SPT_NOENV missing (docs/sglang.md)
+        log.get().warning(warning)
     version: str | None = "unknown"
     with contextlib.suppress(TimeoutError):
         version = await in_thread(lambda: preflight.sglang_version_for(cfg), VERSION_TIMEOUT_S)

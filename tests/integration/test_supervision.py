@@ -159,6 +159,18 @@ def test_sigkill_of_sglang_restarts_with_exited(tmp_path: Path) -> None:
         last = d.status()["last_restart"]
         assert last["reason"] == "exited" and last["signal"] == signal.SIGKILL
         assert not wait_gone(children, timeout=5), "a process of the first launch survived"
+        exited = [e for e in d.seen if e.get("event") == "sglang exited"]
+        assert exited[0]["process"] == "main" and exited[0]["signal"] == signal.SIGKILL
+
+
+def test_a_config_without_spt_noenv_is_warned_at_start(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path)  # the stand-in's config sets no SPT_NOENV
+    with running(tmp_path, cfg) as d:
+        warned = d.wait_for(
+            lambda e: "SPT_NOENV" in str(e.get("event")), what="the SPT_NOENV warning"
+        )
+        assert warned["level"] == "warning" and "sglang.env" in warned["event"]
+        d.wait_state("ready")
 
 
 def test_orphaned_children_are_swept(tmp_path: Path) -> None:

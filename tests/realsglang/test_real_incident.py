@@ -1,7 +1,8 @@
 """The seed incident on the real SGLang 0.5.23 scheduler.
 
 tests/realsglang/faulthook makes the real scheduler raise the incident's AttributeError on the
-first decode batch after SGLang's own warmup: /health and the warmup pass, as they did in
+first decode batch of any request but SGLang's own warmup (recognised by its content): /health
+and the warmup pass, as they did in
 production, and SGLang prints its ready line. With SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1 (the
 shipped config) the scheduler logs the traceback and SIGKILLs its whole process group. The
 daemon must never report ready, and must restart with reason fatal_log and the traceback in

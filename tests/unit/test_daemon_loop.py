@@ -13,7 +13,16 @@ from supervisor import config as config_mod
 from supervisor.daemon import Daemon
 from supervisor.effects import Effects
 from supervisor.identity import RecordStore, owner_marker
-from supervisor.machine import ReloadRequested, State, StopRequested, Transitioned
+from supervisor.logscan import Stream
+from supervisor.machine import (
+    ChildExited,
+    ChildGone,
+    FatalLog,
+    ReloadRequested,
+    State,
+    StopRequested,
+    Transitioned,
+)
 from supervisor.notify import Notifier
 from supervisor.process import ProcessOwner
 from testkit import base_config
@@ -99,4 +108,34 @@ async def test_restarts_are_counted_once(daemon: Daemon) -> None:
     assert 'kimi_serve_restarts_total{reason="manual"} 1.0' in text
     daemon._do(Transitioned(State.STARTING, State.CLEANING, "started"))
     assert told(daemon)[-1] == "STATUS=starting (primary)"
+    await daemon.fx.http.aclose()
+
+
+async def test_a_pending_traceback_is_dispatched_before_the_death_it_explains(
+    daemon: Daemon,
+) -> None:
+    """SGLang logs the scheduler's traceback, then kills the group by signal 9 before the
+    exception line is read: the death must reach the machine as that traceback first."""
+    seen: list[object] = []
+    daemon.machine.handle = lambda item, now: seen.append(item) or []  # type: ignore[method-assign]
+    head = "[2026-12-01] Scheduler hit an exception: Traceback (most recent call last):"
+    daemon.pump.lines(3, Stream.STDERR, [head, '  File "scheduler.py", line 4614'])
+    assert daemon.pump.scanner.pending
+    death = ChildExited(3, None, 9, process="sglang::scheduler (pid 7)")
+    daemon.dispatch(death)
+    assert seen == [FatalLog(3, head), death]
+    # Settled once: the ChildGone that follows carries no second verdict.
+    daemon.dispatch(ChildGone(3, None, 9))
+    assert seen[2:] == [ChildGone(3, None, 9)]
+    await daemon.fx.http.aclose()
+
+
+async def test_a_pending_traceback_of_another_launch_is_not_settled_by_a_death(
+    daemon: Daemon,
+) -> None:
+    seen: list[object] = []
+    daemon.machine.handle = lambda item, now: seen.append(item) or []  # type: ignore[method-assign]
+    daemon.pump.lines(4, Stream.STDERR, ["Scheduler hit an exception: Traceback (most recent"])
+    daemon.dispatch(ChildGone(3, None, None))
+    assert seen == [ChildGone(3, None, None)] and daemon.pump.scanner.pending
     await daemon.fx.http.aclose()

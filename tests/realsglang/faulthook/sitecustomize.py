@@ -4,16 +4,21 @@ This directory is put on PYTHONPATH of a real SGLang server started by
 tests/realsglang/server.py, so Python imports this module in every process of the launch (the
 main process and its multiprocessing "spawn" children). Without KIMI_TEST_FAULT it does nothing.
 
-KIMI_TEST_FAULT=decode-attributeerror: in the scheduler, the first decode batch of any request
-other than SGLang's own warmup request raises the seed incident's
+KIMI_TEST_FAULT=decode-attributeerror: in the scheduler, the first decode batch holding any
+request other than SGLang's own warmup request raises the seed incident's
 `AttributeError: 'EAGLEWorkerV2' object has no attribute 'spec_disable_batch_threshold'`.
+SGLang's warmup is recognised by its content, not by coming first (kimi-serve's decode probe can
+reach the scheduler before it): `_execute_server_warmup` (sglang/srt/entrypoints/http_server.py:
+2407-2459 in 0.5.23) posts to /generate `temperature 0, max_new_tokens 8` with the text
+"The capital city of France is" (or input_ids [10, 11, 12] with --skip-tokenizer-init).
+/health's request (http_server.py:751-768: input_ids [0], max_new_tokens 1) is answered by
+its prefill and never decodes.
 The hook point is `Scheduler.run_batch` (sglang/srt/managers/scheduler.py:4614 in 0.5.23),
 which both event loops call for every batch; an exception there propagates out of
 `run_event_loop` to `run_scheduler_process` (scheduler.py:6370-6380), which logs
 `Scheduler hit an exception: <traceback>`, sends SIGQUIT to the main process and, with
 SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, SIGKILLs its process group: SGLang's own crash path,
-unchanged. /health (a 1-token request: prefill only) and the warmup (the first request the
-scheduler ever sees) pass, as they did in the incident.
+unchanged. /health and the warmup pass, as they did in the incident.
 """
 
 from __future__ import annotations
@@ -29,18 +34,28 @@ from typing import Any
 FAULT = "decode-attributeerror"
 _TARGET = "sglang.srt.managers.scheduler"
 MESSAGE = "'EAGLEWorkerV2' object has no attribute 'spec_disable_batch_threshold'"
+# SGLang's warmup request (http_server.py:2407-2459, 0.5.23).
+WARMUP_TEXT = "The capital city of France is"
+WARMUP_IDS = [10, 11, 12]
+WARMUP_TOKENS = 8
+
+
+def is_warmup(req: Any) -> bool:
+    params = getattr(req, "sampling_params", None)
+    if getattr(params, "max_new_tokens", None) != WARMUP_TOKENS:
+        return False
+    if getattr(req, "origin_input_text", None) == WARMUP_TEXT:
+        return True
+    return list(getattr(req, "origin_input_ids", None) or ()) == WARMUP_IDS
 
 
 def _patch(module: types.ModuleType) -> None:
     scheduler_cls: Any = module.Scheduler
     original = scheduler_cls.run_batch
-    first_rids: set[str] = set()
 
     def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        rids = {req.rid for req in getattr(batch, "reqs", None) or ()}
-        if not first_rids:
-            first_rids.update(rids)  # SGLang's warmup request is the first one
-        elif batch.forward_mode.is_decode() and rids - first_rids:
+        reqs = getattr(batch, "reqs", None) or ()
+        if batch.forward_mode.is_decode() and not all(is_warmup(r) for r in reqs):
             raise AttributeError(MESSAGE)
         return original(self, batch, *args, **kwargs)
 
