@@ -33,7 +33,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_leftovers import HOLDER, Gpu, Spec, launch  # noqa: E402
+from bench.gpu_run import run, scene, verdict  # noqa: E402
 from supervisor import fitness, fitness_watch, gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
 from supervisor.gpu_sim import open_nvml  # noqa: E402
@@ -51,11 +51,10 @@ from supervisor.identity import (  # noqa: E402
     LaunchRecord,
     RecordStore,
     live_process,
-    owner_marker,
     signal_identity,
 )
 from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, NvmlUnavailable, gpu_status  # noqa: E402
+from supervisor.nvml import MiB, gpu_status  # noqa: E402
 from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 
@@ -170,12 +169,7 @@ async def events_phase(source: Any) -> dict[str, Any]:
 async def crash_phase(
     gpu_: Gpu, env: dict[str, str], gib: float, simulated: bool
 ) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="kimi-fitness-bench-"))
-    holder = work / "holder.py"
-    holder.write_text(HOLDER)
-    state = work / "state"
-    state.mkdir()
-    marker = owner_marker(str(state))
+    holder, state, marker = scene("kimi-fitness-bench-", HOLDER)
     ours_env = {**env, OWNER_ENV: marker}
     recorded = Spec(
         "scheduler (recorded)", gib, ["sglang::scheduler_TP0"], "leftover", True, record=True
@@ -353,9 +347,7 @@ async def main_async(args: argparse.Namespace) -> int:
             default=str,
         )
     )
-    for name, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {name}")
-    return 0 if all(checks.values()) else 1
+    return verdict(checks)
 
 
 def main() -> int:
@@ -364,12 +356,7 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=4.0, help="GiB the recorded orphan allocates")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--simulated", action="store_true", help="no GPU: the simulated NVML")
-    args = ap.parse_args()
-    try:
-        return asyncio.run(main_async(args))
-    except NvmlUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run(main_async, ap.parse_args())
 
 
 if __name__ == "__main__":

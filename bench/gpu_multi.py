@@ -35,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -45,6 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_run import run, scene, verdict  # noqa: E402
 from supervisor import fitness, fitness_watch, gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
 from supervisor.gpu_sim import open_nvml  # noqa: E402
@@ -55,7 +55,6 @@ from supervisor.identity import (  # noqa: E402
     RecordStore,
     identity_of,
     live_process,
-    owner_marker,
     signal_identity,
 )
 from supervisor.metrics import Metrics  # noqa: E402
@@ -211,12 +210,7 @@ async def main_async(args: argparse.Namespace) -> int:
     events.close()
 
     # 2. The crash across every GPU.
-    work = Path(tempfile.mkdtemp(prefix="kimi-multi-bench-"))
-    holder = work / "holder.py"
-    holder.write_text(HOLDER)
-    state = work / "state"
-    state.mkdir()
-    marker = owner_marker(str(state))
+    holder, state, marker = scene("kimi-multi-bench-", HOLDER)
     port = str(free_port())
 
     def job(
@@ -347,9 +341,7 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     print(c["sweep"]["message"])
     print(c["clean_message"])
-    for name, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {name}")
-    return 0 if all(checks.values()) else 1
+    return verdict(checks)
 
 
 def main() -> int:
@@ -357,12 +349,7 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=4.0, help="GiB each scheduler allocates")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--simulated", action="store_true", help="no GPU: 4 simulated GPUs")
-    args = ap.parse_args()
-    try:
-        return asyncio.run(main_async(args))
-    except NvmlUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run(main_async, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -880,6 +880,7 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
 
 
 def _arg_int(args: Mapping[str, ArgValue], *names: str) -> int | None:
+    """The first of `names` in SGLang's args given as a whole number (int or digits)."""
     for name in names:
         value = args.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -966,13 +967,7 @@ TOP_KEYS = (
 
 
 def tp_size(args: Mapping[str, ArgValue]) -> int | None:
-    for name in TP_ARGS:
-        value = args.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.isdigit():
-            return int(value)
-    return None
+    return _arg_int(args, *TP_ARGS)
 
 
 def default_state_dir() -> str:

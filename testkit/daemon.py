@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,10 +111,12 @@ class DaemonProcess:
         cfg: dict[str, Any],
         env: Mapping[str, str],
         preexec_fn: Callable[[], Any] | None = None,
+        command: Sequence[str] = (),
     ) -> DaemonProcess:
-        """`kimi-serve run --config path`, its output read by a thread as it comes."""
+        """`kimi-serve run --config path`, its output read by a thread as it comes. `command`
+        replaces the `kimi-serve` executable (an interpreter and its arguments)."""
         proc = subprocess.Popen(
-            [str(BIN), "run", "--config", str(path)],
+            [*(command or [str(BIN)]), "run", "--config", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -244,13 +246,18 @@ def running(
     path.write_text(yaml.safe_dump(cfg))
     full_env = {**os.environ, **(env or {})}
     full_env.pop("NOTIFY_SOCKET", None)
-    d = DaemonProcess.start(path, cfg, full_env)
-    proc = d.proc
+    with reaped(DaemonProcess.start(path, cfg, full_env)) as d:
+        yield d
+
+
+@contextlib.contextmanager
+def reaped(d: DaemonProcess) -> Iterator[DaemonProcess]:
+    """Yield the started daemon; on exit stop it and prove nothing of ours is left alive."""
     try:
         yield d
     finally:
         try:
-            if proc.poll() is None:
+            if d.proc.poll() is None:
                 d.stop()
         finally:
             left = wait_gone(owned_processes(d.owner), timeout=5)

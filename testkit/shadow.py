@@ -8,17 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from testkit.daemon import DaemonProcess
-from testkit.procs import kill_owned, owned_processes, wait_gone
+from testkit.daemon import DaemonProcess, reaped
 
 MAIN = "import sys; from supervisor.cli import main; sys.exit(main())"
 
@@ -45,23 +42,5 @@ def start_with(tmp: Path, cfg: dict[str, Any], python: Path) -> Iterator[DaemonP
     path.write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
     env["PATH"] = "/usr/bin:/bin"  # no other py-spy on the way
-    proc = subprocess.Popen(
-        [str(python), "-c", MAIN, "run", "--config", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    d = DaemonProcess(proc, path, cfg)
-    d.reader = threading.Thread(target=d._read, daemon=True)
-    d.reader.start()
-    try:
+    with reaped(DaemonProcess.start(path, cfg, env, command=[str(python), "-c", MAIN])) as d:
         yield d
-    finally:
-        try:
-            if proc.poll() is None:
-                d.stop()
-        finally:
-            left = wait_gone(owned_processes(d.owner), timeout=5)
-            kill_owned(d.owner)
-            assert not left, f"processes left behind: {[p.pid for p in left]}"

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -68,6 +69,21 @@ def clean(stats: Stats) -> None:
     assert stats.sent > 0 and stats.streams > 0, stats.to_dict()
     assert stats.failed == 0, stats.to_dict()
     assert stats.streams_cut == 0, stats.to_dict()
+
+
+async def unlisted_within_liveness(
+    watch: ListWatch, cfg: dict[str, Any], knew: float, what: str
+) -> float:
+    """Wait for the replica to leave the router's list after `knew` (when kimi-serve knew);
+    it must have left within one liveness interval. Returns when it left."""
+    await until(
+        what,
+        lambda: watch.first_unlisted_after(worker_url(cfg), knew) is not None,
+        LIVENESS_S + 5,
+    )
+    out = watch.first_unlisted_after(worker_url(cfg), knew)
+    assert out is not None and out - knew <= LIVENESS_S, (out, knew)
+    return out
 
 
 def line_index(d: DaemonProcess, text: str, after: int = 0) -> int:
@@ -151,13 +167,7 @@ async def test_killed_and_hung_sglang_leave_the_list_and_get_nothing(
             # B hangs once it has decoded 30 requests: kimi-serve's liveness probe notices.
             degraded = await asyncio.to_thread(b.wait_state, "degraded", 60)
             knew = event_time(degraded)
-            await until(
-                "B out of the list",
-                lambda: watch.first_unlisted_after(worker_url(b_cfg), knew) is not None,
-                LIVENESS_S + 5,
-            )
-            out = watch.first_unlisted_after(worker_url(b_cfg), knew)
-            assert out is not None and out - knew <= LIVENESS_S, (out, knew)
+            out = await unlisted_within_liveness(watch, b_cfg, knew, "B out of the list")
             await asyncio.to_thread(b.wait_state, "ready", 60)
             back = event_time(b.seen[-1])
             hung_after = [t for t in user_arrivals(b_cfg) if out < t < back]
@@ -172,13 +182,7 @@ async def test_killed_and_hung_sglang_leave_the_list_and_get_nothing(
             restarting = await asyncio.to_thread(a.wait_state, "restarting")
             assert len(a.seen) > mark
             knew = event_time(restarting)
-            await until(
-                "A out of the list",
-                lambda: watch.first_unlisted_after(worker_url(a_cfg), knew) is not None,
-                LIVENESS_S + 5,
-            )
-            out = watch.first_unlisted_after(worker_url(a_cfg), knew)
-            assert out is not None and out - knew <= LIVENESS_S, (out, knew)
+            await unlisted_within_liveness(watch, a_cfg, knew, "A out of the list")
             ready = await asyncio.to_thread(a.wait_state, "ready", 30)
             before_verified = [t for t in user_arrivals(a_cfg) if knew < t < event_time(ready)]
             assert before_verified == [], "user requests reached A's new launch before ready"
