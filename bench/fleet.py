@@ -45,8 +45,8 @@ import yaml
 
 from bench.loadgen import LoadGenerator
 from testkit.fleet import ListWatch, replica_config, user_arrivals
-from tests.router.harness import RouterProcess, free_port
-from tests.standin.harness import Standin
+from testkit.router import RouterProcess, free_port
+from testkit.standin import Standin
 
 DEFAULT, TWO_S, KIMI = "router-default", "router-2s", "kimi-serve"
 APPROACHES = (DEFAULT, TWO_S, KIMI)

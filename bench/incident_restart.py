@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from testkit.incidents import hang_config, restart_seconds
 from testkit.shadow import shadow_python, start_with
-from tests.incidents.test_daemon_incidents import hang_config, restart_seconds
 
 BUDGET = "2s"
 

@@ -23,7 +23,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor.stacks import capture
-from tests.standin.harness import Standin, free_port
+from testkit import free_port
+from testkit.standin import Standin
 
 ROUNDS = 5
 

@@ -11,37 +11,17 @@ import signal
 import stat
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from testkit import base_config, running
-from testkit.daemon import DaemonProcess
+from testkit.incidents import hang_config, restart_seconds
 from testkit.shadow import shadow_python, start_with
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
-HANG = {"STANDIN_FAULT": "decode-hang", "STANDIN_FAULT_LAUNCH": "1"}
-
-
-def hang_config(tmp: Path, dump_timeout: str = "10s") -> dict[str, Any]:
-    cfg = base_config(tmp, incidents={"dump_timeout": dump_timeout})
-    cfg["sglang"]["env"].update(HANG)
-    return cfg
-
-
-def at(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
-def restart_seconds(d: DaemonProcess) -> float:
-    """From the daemon's decision to restart (`restarting`) to the launch gone (`cleaning`)."""
-    begin = d.wait_state("restarting", 30)
-    end = d.wait_state("cleaning", 30)
-    return at(end) - at(begin)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ from supervisor.command import LaunchSpec, build
 from supervisor.config import load
 from supervisor.intent import Mismatch, compare, expected_server_args, unknown_fields
 from testkit import free_port
-from tests.standin.harness import Standin
+from testkit.standin import Standin
 
 from .conftest import REPO_ROOT, MakeConfig
 

@@ -16,9 +16,9 @@ import pytest
 
 from bench.loadgen import LoadGenerator
 from testkit.fleet import registered
+from testkit.router import RouterProcess, router_available
 from tests.realsglang import server as real
 from tests.realsglang.conftest import LOAD_TIMEOUT, Real, daemon_config, real_daemon
-from tests.router.harness import RouterProcess, router_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

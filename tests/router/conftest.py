@@ -6,9 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from testkit.router import RouterProcess, router_available
 from tests.standin.conftest import Launcher
-
-from .harness import RouterProcess, router_available
 
 if not router_available():
     pytest.skip(

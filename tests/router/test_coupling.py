@@ -31,10 +31,10 @@ from supervisor.machine import (
     UndrainRequested,
 )
 from supervisor.router import RouterLink, answer_drain, answer_undrain
+from testkit.router import RouterProcess
 from tests.standin.conftest import Launcher
 from tests.unit.test_machine import CFG, ok_result
 
-from .harness import RouterProcess
 from .test_link import GENERATE, Recorder, served, until
 
 

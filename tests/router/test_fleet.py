@@ -29,8 +29,7 @@ from testkit.fleet import (
     user_arrivals,
     worker_url,
 )
-
-from .harness import RouterProcess
+from testkit.router import RouterProcess
 
 pytestmark = pytest.mark.slow
 

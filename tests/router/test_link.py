@@ -14,10 +14,9 @@ from prometheus_client import CollectorRegistry
 from supervisor.config import RouterConfig
 from supervisor.metrics import Metrics
 from supervisor.router import RouterLink
+from testkit.router import RouterProcess, free_port
+from testkit.standin import Standin
 from tests.standin.conftest import Launcher
-from tests.standin.harness import Standin
-
-from .harness import RouterProcess, free_port
 
 GENERATE = {"text": "Say hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 

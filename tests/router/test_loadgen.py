@@ -8,9 +8,9 @@ import httpx
 from aiohttp import web
 
 from bench.loadgen import CUT, STREAM_OK, LoadGenerator, stream_complete
+from testkit.router import RouterProcess
 from tests.standin.conftest import Launcher
 
-from .harness import RouterProcess
 from .test_link import make_link, served, until
 
 

@@ -7,8 +7,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 
 from testkit import free_port
-
-from .harness import Standin
+from testkit.standin import Standin
 
 MODEL = "/models/kimi-k2.5-int4"
 

@@ -9,8 +9,9 @@ import re
 import httpx
 import pytest
 
+from testkit.standin import Standin
+
 from .conftest import MODEL, Launcher
-from .harness import Standin
 
 SPEC_FLAGS = (
     "--tp-size",

@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from testkit.standin import BOUND_LINE, READY_LINE, gone, wait_gone, wait_until
+
 from .conftest import Launcher
-from .harness import BOUND_LINE, READY_LINE, gone, wait_gone, wait_until
 
 SPEC = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/draft")
 

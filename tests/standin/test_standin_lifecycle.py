@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from testkit import free_port
+from testkit.standin import BOUND_LINE, READY_LINE, wait_gone, wait_until
 
 from .conftest import Launcher
-from .harness import BOUND_LINE, READY_LINE, wait_gone, wait_until
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(launch: Launcher) -> None:

@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from testkit import free_port
+from testkit.standin import BOUND_LINE
 
 from .conftest import Launcher
-from .harness import BOUND_LINE
 
 
 def flags(rank: int, dist: str) -> tuple[str, ...]:
