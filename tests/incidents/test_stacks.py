@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor import stacks
@@ -29,6 +30,7 @@ from supervisor.stacks import (
     parse,
     render,
 )
+from testkit import wait_until
 
 from .conftest import Spawn, kill_quietly, pid_alive, wait_for
 
@@ -288,6 +290,10 @@ async def test_a_stopped_process_is_read_without_pausing_it(hung_child: Spawn) -
     proc = hung_child()
     os.kill(proc.pid, signal.SIGSTOP)
     try:
+        # The signal is delivered asynchronously: capture only once the kernel shows it stopped.
+        wait_until(
+            lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10, "stopped"
+        )
         cap = await capture([proc.pid], timeout=10.0)
     finally:
         os.kill(proc.pid, signal.SIGCONT)

@@ -147,7 +147,7 @@ def test_group_endpoints_need_the_token(tmp_path: Path) -> None:
     ):
         leader.wait_state("loading")
         until_all(
-            lambda: "401" in (group(follower)["peers"][0]["error"] or ""), 10, "a 401 reported"
+            lambda: "401" in (group(follower)["peers"][0]["error"] or ""), 30, "a 401 reported"
         )
         assert follower.status()["state"] == "cleaning" and launches(follower_cfg) == 0
         denied = httpx.get(leader.admin + "/metrics", timeout=5).text
