@@ -40,13 +40,24 @@ WARMUP_IDS = [10, 11, 12]
 WARMUP_TOKENS = 8
 
 
-def is_warmup(req: Any) -> bool:
+def is_warmup(req: Any, warmup_ids: list[int] | None) -> bool:
+    """The scheduler's request carries token ids, not the text (`origin_input_text` is None for
+    a text prompt): compare them with the warmup text tokenized by the scheduler's own
+    tokenizer (`Scheduler.init_tokenizer`, managers/scheduler.py:891)."""
     params = getattr(req, "sampling_params", None)
     if getattr(params, "max_new_tokens", None) != WARMUP_TOKENS:
         return False
-    if getattr(req, "origin_input_text", None) == WARMUP_TEXT:
+    ids = list(getattr(req, "origin_input_ids", None) or ())
+    if getattr(req, "origin_input_text", None) == WARMUP_TEXT or ids == WARMUP_IDS:
         return True
-    return list(getattr(req, "origin_input_ids", None) or ()) == WARMUP_IDS
+    return warmup_ids is not None and ids == warmup_ids
+
+
+def _warmup_ids(scheduler: Any) -> list[int] | None:
+    tokenizer = getattr(scheduler, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return list(tokenizer.encode(WARMUP_TEXT))
 
 
 def _patch(module: types.ModuleType) -> None:
@@ -55,7 +66,12 @@ def _patch(module: types.ModuleType) -> None:
 
     def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         reqs = getattr(batch, "reqs", None) or ()
-        if batch.forward_mode.is_decode() and not all(is_warmup(r) for r in reqs):
+        if batch.forward_mode.is_decode():
+            warmup = _warmup_ids(self)
+            crash = not all(is_warmup(r, warmup) for r in reqs)
+        else:
+            crash = False
+        if crash:
             raise AttributeError(MESSAGE)
         return original(self, batch, *args, **kwargs)
 
