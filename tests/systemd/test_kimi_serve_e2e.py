@@ -66,7 +66,8 @@ class Kimi:
         return doc
 
     def status_with_sglang_tree(self) -> dict[str, Any]:
-        """/status once the daemon knows the stand-in and its 3 children (tp 2 + detokenizer).
+        """/status once the daemon knows the stand-in and its 4 children (tp 2, a detokenizer and
+        multiprocessing's resource tracker, as real SGLang has: docs/sglang.md).
 
         It records the children as they appear, a poll at a time.
         """
@@ -74,9 +75,9 @@ class Kimi:
         def complete() -> dict[str, Any] | None:
             status = self.status()
             child = status["child"]
-            return status if child and len(child["processes"]) == 4 else None
+            return status if child and len(child["processes"]) == 5 else None
 
-        return self.box.wait_for(complete, what="the stand-in and its 3 children in /status")
+        return self.box.wait_for(complete, what="the stand-in and its 4 children in /status")
 
     def show(self, *properties: str) -> dict[str, str]:
         return self.box.show(UNIT_NAME, *properties)
@@ -282,7 +283,7 @@ def test_a_frozen_daemon_is_killed_by_the_watchdog_and_restarted(box: Box) -> No
     old_status = kimi.status_with_sglang_tree()
     old_processes = box_processes(box)
     old_sglang = {pid: old_processes[pid][1] for pid in old_status["child"]["processes"]}
-    assert old_status["child"]["pid"] in old_sglang and len(old_sglang) == 4, old_status
+    assert old_status["child"]["pid"] in old_sglang and len(old_sglang) == 5, old_status
 
     box.run("kill", "-STOP", str(old_main), check=True)
 
@@ -327,7 +328,7 @@ def test_stop_is_clean_and_leaves_the_cgroup_empty(box: Box) -> None:
     shown = kimi.show("ControlGroup", "MainPID")
     control_group = shown["ControlGroup"]
     pids = set(box.unit_pids(UNIT_NAME))
-    assert len(pids) == 5, pids  # the daemon, the stand-in, 2 schedulers, a detokenizer
+    assert len(pids) == 6, pids  # the daemon, the stand-in, 2 schedulers, a detokenizer, a tracker
     processes = box_processes(box)
     ours = {pid: processes[pid][1] for pid in pids}
 
