@@ -257,7 +257,8 @@ async def probe(
     rid: str | None = None,
 ) -> ProbeResult:
     """One decode probe. Never raises (except cancellation); never outlives `timeout` by more
-    than the abort of a timed-out probe (ABORT_TIMEOUT_S).
+    than the abort of a timed-out probe (ABORT_TIMEOUT_S, and never longer than the probe's own
+    timeout: a frozen SGLang answers neither, and detection must not wait on the abort).
 
     With `rid`, the request carries it and a probe that timed out is aborted inside SGLang.
     """
@@ -265,8 +266,9 @@ async def probe(
     if rid is None:
         return result
     if result.reason == "timeout":
+        bound = ABORT_TIMEOUT_S if timeout is None else min(ABORT_TIMEOUT_S, timeout)
         return dataclasses.replace(
-            result, rid=rid, aborted=await abort_request(client, base_url, rid)
+            result, rid=rid, aborted=await abort_request(client, base_url, rid, bound)
         )
     return dataclasses.replace(result, rid=rid)
 
