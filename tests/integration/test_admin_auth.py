@@ -71,11 +71,15 @@ def test_the_commands_with_and_without_the_token(tmp_path: Path) -> None:
         d.wait_state("ready")
         assert d.status()["restarts"] == {"manual": 1}
 
-        # Drain is not wired into this daemon yet: 501, exit 1, one line.
-        for command in ("drain", "undrain"):
-            done = kimi_serve(command, "--config", config)
-            assert done.returncode == 1, done
-            assert f"HTTP 501: {command} is not supported by this daemon" in done.stderr
+        # Drain and undrain with the token: without a router only /readyz changes.
+        done = kimi_serve("drain", "--config", config)
+        assert done.returncode == 0, done
+        assert "router.url is not set" in done.stdout
+        d.wait_state("draining")
+        assert d.get("/readyz").status_code == 503
+        done = kimi_serve("undrain", "--config", config)
+        assert done.returncode == 0, done
+        d.wait_state("ready")
 
         # A token file of another daemon (same port, wrong file): 77, nothing done.
         other = tmp_path / "other.token"
