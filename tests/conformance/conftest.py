@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -54,25 +53,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @dataclasses.dataclass
-class Server:
-    """One running server of either side, started in its own session, logging to a file."""
+class Server(real.RealServer):
+    """One running server of either side, started in its own session, logging to a file (the
+    real server's handle: url, pid, log, stop), plus what the comparisons ask of it."""
 
-    side: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    started_in: float = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    side: str = "real"
 
     def wait_log(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         deadline = time.monotonic() + timeout
@@ -115,12 +100,6 @@ class Server:
             raise AssertionError(
                 f"[{self.side}] still running after {timeout:g} s:\n{self.log()[-3000:]}"
             ) from None
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
 
 
 Launch = Callable[..., Server]
@@ -171,7 +150,7 @@ def start(
             cwd=log_path.parent,
             start_new_session=True,
         )
-    server = Server(side, proc, port, log_path)
+    server = Server(proc, port, log_path, side=side)
     try:
         server.wait_log(re.escape(READY_LINE), real.START_TIMEOUT)
     except BaseException:
