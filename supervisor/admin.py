@@ -537,20 +537,3 @@ async def open_endpoint(
         backend, auth, on_drain=on_drain, on_undrain=on_undrain, limits=limits, group=group
     )
     return await serve(app, host, port, limits)
-
-
-async def start(
-    backend: AdminBackend,
-    host: str,
-    port: int,
-    *,
-    on_drain: Operation | None = None,
-    on_undrain: Operation | None = None,
-    limits: Limits = Limits(),
-    group: GroupEndpoint | None = None,
-) -> Callable[[], Awaitable[None]]:
-    """open_endpoint(); returns the coroutine function that shuts it down."""
-    served = await open_endpoint(
-        backend, host, port, on_drain=on_drain, on_undrain=on_undrain, limits=limits, group=group
-    )
-    return served.stop

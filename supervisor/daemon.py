@@ -184,7 +184,7 @@ class Daemon:
                 self.router, self.request_drain, self.request_undrain
             )
             try:
-                shutdown_admin = await admin.start(
+                served = await admin.open_endpoint(
                     self,
                     self.cfg.admin.host,
                     self.cfg.admin.port,
@@ -192,6 +192,7 @@ class Daemon:
                     on_undrain=on_undrain,
                     group=self.group,
                 )
+                shutdown_admin = served.stop
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
