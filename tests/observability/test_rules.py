@@ -36,6 +36,25 @@ def test_promtool_test_rules(promtool: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_unit_tests_fix_the_group_order() -> None:
+    # Without group_eval_order promtool evaluates the groups in Go's random map
+    # order; an alert reading a recording rule then sees no record on the runs
+    # where the alerts group happens to go first (at a 1h interval the previous
+    # evaluation's record is outside the 5m lookback). Records first, always.
+    groups = [g["name"] for g in yaml.safe_load(RULES_FILE.read_text())["groups"]]
+    records = [
+        g["name"]
+        for g in yaml.safe_load(RULES_FILE.read_text())["groups"]
+        if any("record" in r for r in g["rules"])
+    ]
+    for path in RULES_TEST_FILES:
+        order = yaml.safe_load(path.read_text()).get("group_eval_order")
+        assert order is not None, f"{path.name}: no group_eval_order"
+        assert sorted(order) == sorted(groups), f"{path.name}: {order} != {groups}"
+        first_alerts = min(i for i, name in enumerate(order) if name not in records)
+        assert all(order.index(r) < first_alerts for r in records), order
+
+
 def test_alert_names_are_unique(alert_rules: list[dict[str, Any]]) -> None:
     dupes = [n for n, c in Counter(r["alert"] for r in alert_rules).items() if c > 1]
     assert not dupes
