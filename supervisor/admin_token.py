@@ -5,7 +5,9 @@ The token itself never appears in a log line, an error message or an exception.
 
 An existing file that others could read (or that another user owns) is refused, not repaired:
 whoever could read it may already hold the token, so a chmod would hide a leak. The operator
-removes the file and the daemon writes a fresh one (docs/security.md).
+removes the file and the daemon writes a fresh one (docs/security.md). A symbolic link (a
+Kubernetes Secret volume is made of them) is followed only where nobody but root and the
+service user could have made it or could swap what it points to (`resolve`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 43 characters
 MIN_LENGTH = 32  # an operator-written token must be as long as ours, about
 MAX_FILE_BYTES = 4096
+MAX_LINKS = 40  # as the kernel's own limit on a path (ELOOP)
 _ALLOWED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 
 
@@ -105,27 +108,113 @@ def check_directory(directory: Path) -> None:
 
 
 def load(path: str) -> Token:
-    """Read and check the file as the daemon: a regular file, ours, mode 0600 or stricter."""
+    """Read and check the file as the daemon: a regular file, ours, mode 0600 or stricter.
+
+    A symbolic link is followed only where nobody but root and the service user could have
+    made or changed it (`resolve`), as a Kubernetes Secret volume mounts its keys
+    (`token -> ..data/token`, `..data -> ..<timestamp>`); the checks apply to the file at the
+    end of the chain."""
+    real, seen = resolve(path)
+    where = path if real == path else f"{path} (-> {real})"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise TokenFileError(
-                f"admin token file {path} is a symbolic link; refusing it (point "
-                "admin.token_file at the file itself)"
-            ) from None
-        raise TokenFileError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+        raise TokenFileError(f"cannot read the admin token file {where}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
+        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+            # Swapped between the walk and the open: by root or us (nobody else can), e.g. a
+            # Secret's rotation. The next read sees the new one.
+            raise TokenFileError(f"admin token file {where} changed while it was read; retry")
         problem = _permission_problem(st)
         if problem:
             raise TokenFileError(
-                f"admin token file {path} {problem}; the token may have leaked: remove the file "
-                "(the daemon writes a new one at start) or fix it (chown to the service user, "
-                "chmod 600) if you are sure nobody read it"
+                f"admin token file {where} {problem}; the token may have leaked: remove the "
+                "file (the daemon writes a new one at start) or fix it (chown to the service "
+                "user, chmod 600; a Kubernetes Secret: defaultMode 0400) if you are sure "
+                "nobody read it"
             )
         data = f.read(MAX_FILE_BYTES + 1)
     return Token(_parse(path, data), _identity(st))
+
+
+def resolve(path: str) -> tuple[str, os.stat_result]:
+    """The file `path` names, links followed one component at a time, and its lstat.
+
+    Every directory on the way must belong to root or the service user and be writable by
+    nobody else, except a sticky one (the mount point of a Kubernetes Secret volume is a
+    tmpfs of mode 1777) whose entry we use belongs to root or the service user: the sticky bit
+    keeps others from renaming or removing it. Every link followed must belong to root or the
+    service user. So nobody else can point the path at a file of their choosing, now or by a
+    later swap. TokenFileError names the component that breaks the rule."""
+    me = os.geteuid()
+    todo = [c for c in reversed(os.path.abspath(path).split("/")) if c]
+    current = "/"
+    dir_st = _lstat(path, current)
+    links = 0
+    while True:
+        _check_dir(path, current, dir_st)
+        if not todo:
+            raise TokenFileError(f"admin token file {path} is a directory")
+        name = todo.pop()
+        if name == ".":
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            dir_st = _lstat(path, current)
+            continue
+        entry = os.path.join(current, name)
+        st = _lstat(path, entry)
+        if dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and st.st_uid not in (0, me):
+            raise TokenFileError(
+                f"admin token file {path}: {entry} belongs to uid {st.st_uid} in a directory "
+                f"others can write ({current}); refusing it"
+            )
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > MAX_LINKS:
+                raise TokenFileError(f"admin token file {path}: more than {MAX_LINKS} links")
+            if st.st_uid not in (0, me):
+                raise TokenFileError(
+                    f"admin token file {path}: the link {entry} belongs to uid {st.st_uid}, "
+                    f"not to root or the service user (uid {me}); refusing to follow it"
+                )
+            target = os.readlink(entry)
+            todo.extend(c for c in reversed(target.split("/")) if c)
+            if target.startswith("/"):
+                current = "/"
+                dir_st = _lstat(path, current)
+            continue
+        if not todo:
+            return entry, st
+        current, dir_st = entry, st
+
+
+def _lstat(path: str, component: str) -> os.stat_result:
+    try:
+        return os.lstat(component)
+    except FileNotFoundError:
+        what = "does not exist" if component == path else f"does not exist ({component} is missing)"
+        raise TokenFileError(f"admin token file {path} {what}") from None
+    except OSError as exc:
+        raise TokenFileError(
+            f"cannot read the admin token file {path}: {component}: {exc.strerror}"
+        ) from None
+
+
+def _check_dir(path: str, directory: str, st: os.stat_result) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise TokenFileError(f"admin token file {path}: {directory} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise TokenFileError(
+            f"admin token file {path}: the directory {directory} belongs to uid {st.st_uid}, "
+            f"not to root or the service user (uid {os.geteuid()}): its owner could swap the file"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise TokenFileError(
+            f"admin token file {path}: the directory {directory} is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}): someone else could swap the file"
+        )
 
 
 def _permission_problem(st: os.stat_result) -> str | None:
@@ -135,7 +224,9 @@ def _permission_problem(st: os.stat_result) -> str | None:
         return f"is owned by uid {st.st_uid}, not by the service user (uid {os.geteuid()})"
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
-        return f"is mode {mode:04o}: group or others may read or write it (0600 is required)"
+        return (
+            f"is mode {mode:04o}: group or others may read or write it (0600 or 0400 is required)"
+        )
     if st.st_nlink != 1:
         return f"has {st.st_nlink} hard links; another name may be readable by others"
     return None
@@ -164,7 +255,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 def changed(token: Token, path: str) -> bool:
     """Whether the file on disk is no longer the one `token` was read from (a rotation)."""
     try:
-        st = os.stat(path, follow_symlinks=False)
+        # Followed: a Secret's rotation swaps `..data`, never the visible link.
+        st = os.stat(path)
     except OSError:
         return True
     return _identity(st) != token.identity

@@ -119,6 +119,13 @@ def _token_file_problem(cfg: Config) -> str | None:
             admin_token.check_directory(directory)
     except admin_token.TokenFileError as exc:
         return f"{exc.message} (admin.token_file in {cfg.path})"
+    g = cfg.group
+    if g.peers and g.token_file != path:
+        # The token presented to the peers: held to the same rules (it opens their endpoints).
+        try:
+            admin_token.load(g.token_file)
+        except admin_token.TokenFileError as exc:
+            return f"{exc.message} (group.token_file in {cfg.path})"
     return None
 
 

@@ -86,6 +86,7 @@ class Group:
         self.peers = [_Peer(url) for url in cfg.group.peers]
         self.started = clock()
         self.polled = asyncio.Event()
+        self._token_problem: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ what this node is
@@ -222,10 +223,16 @@ class Group:
 
     def _token(self) -> str | None:
         try:
-            return admin_token.read_for_client(self.cfg.group.token_file)
+            # With the daemon's checks (a Secret's links followed, others' access refused),
+            # read at each poll: a rotation needs no restart.
+            token = admin_token.load(self.cfg.group.token_file).value
         except admin_token.TokenFileError as exc:
-            self.log.error("group: token unusable", error=str(exc))
+            if exc.message != self._token_problem:  # once per problem, not every poll
+                self.log.error("group: token unusable", error=exc.message)
+            self._token_problem = exc.message
             return None
+        self._token_problem = None
+        return token
 
     def _headers(self, token: str | None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token}"} if token else {}

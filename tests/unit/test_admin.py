@@ -187,11 +187,13 @@ def test_an_unsafe_token_file_is_refused_not_repaired(
     assert path.lstat().st_mode == before.st_mode and path.lstat().st_uid == before.st_uid
 
 
-def test_a_symlink_is_refused(tmp_path: Path) -> None:
+def test_a_symlink_is_checked_at_its_end(tmp_path: Path) -> None:
     real = tmp_path / "real"
-    admin_token.ensure(str(real))
+    token = admin_token.ensure(str(real))
     (tmp_path / "admin.token").symlink_to(real)
-    with pytest.raises(admin_token.TokenFileError, match="symbolic link"):
+    assert admin_token.ensure(str(tmp_path / "admin.token")) == token
+    real.chmod(0o640)
+    with pytest.raises(admin_token.TokenFileError, match="mode 0640"):
         admin_token.ensure(str(tmp_path / "admin.token"))
 
 
