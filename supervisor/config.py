@@ -38,9 +38,10 @@ RESERVED_ARGS = {
 }
 TP_ARGS = ("tp-size", "tensor-parallel-size", "tp")
 RESTART_MODES = ("relaunch", "exit")
-# `${NAME}` in a string value of sglang.args / profiles.*.args: filled in from the daemon's
-# environment when the file is read, so one file serves every node of a multi-node replica
-# (a LeaderWorkerSet gives each pod LWS_WORKER_INDEX and LWS_LEADER_ADDRESS).
+# `${NAME}` in a string value of sglang.args / profiles.*.args, group.peers and group.leader:
+# filled in from the daemon's environment when the file is read, so one file serves every node
+# of a multi-node replica (a LeaderWorkerSet gives each pod LWS_WORKER_INDEX and
+# LWS_LEADER_ADDRESS).
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -198,6 +199,9 @@ class GroupConfig:
     node_rank: int = 0
     # The peers' admin endpoints: the leader lists its followers, a follower its leader.
     peers: tuple[str, ...] = ()
+    # The leader's admin endpoint (`group.leader`): fills a follower's `peers`; the leader
+    # itself reads it as its own address. One file for every node (a LeaderWorkerSet).
+    leader: str | None = None
     # The bearer token presented to the peers (the same token as their admin.token_file).
     token_file: str = ""
     poll_interval: float = 0.5
@@ -209,6 +213,12 @@ class GroupConfig:
     def coordinated(self) -> bool:
         """Relaunches are coordinated over the admin endpoints (bare metal)."""
         return self.role != "single" and bool(self.peers)
+
+    @property
+    def answers(self) -> bool:
+        """This node takes part in the group protocol: it polls peers, or it is a leader,
+        which answers its followers' polls (GET /group) even when it lists none."""
+        return self.coordinated or self.role == "leader"
 
 
 @dataclass(frozen=True)
@@ -571,6 +581,19 @@ def _expand_env(r: _Reader, path: str, value: T) -> T:
     return _ENV_REF.sub(one, value)  # type: ignore[return-value]
 
 
+def _env_filled(text: str) -> str:
+    """`${NAME}` in a group URL filled in from the environment (as in sglang.args)."""
+
+    def one(m: re.Match[str]) -> str:
+        got = os.environ.get(m.group(1))
+        if not got:
+            how = "is empty" if got == "" else "is not set"
+            raise ValueError(f"{text!r} needs the environment variable {m.group(1)}, which {how}")
+        return got
+
+    return _ENV_REF.sub(one, text)
+
+
 def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str | None]:
     if raw is None:
         return {}
@@ -894,18 +917,28 @@ def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
     """`group:` plus the role read from SGLang's own multi-node flags."""
     p = "group"
     s = r.section(
-        raw, p, ("peers", "token_file", "poll_interval", "poll_timeout", "partition_timeout")
+        raw,
+        p,
+        ("peers", "leader", "token_file", "poll_interval", "poll_timeout", "partition_timeout"),
     )
     args = cfg.sglang.args
     nnodes = _arg_int(args, "nnodes") or 1
     rank = _arg_int(args, "node-rank", "node_rank") or 0
     role = "single" if nnodes <= 1 else ("leader" if rank == 0 else "follower")
-    peers = r.get(s, p, "peers", lambda v: tuple(_http_url(u) for u in _string_list(v)), ())
+    peers = r.get(
+        s, p, "peers", lambda v: tuple(_http_url(_env_filled(u)) for u in _string_list(v)), ()
+    )
+    leader = r.get(s, p, "leader", lambda v: _http_url(_env_filled(_string(v))), None)
+    if role == "follower" and leader is not None:
+        if peers and tuple(peers) != (leader,):
+            r.error(f"{p}.leader", f"{leader} differs from group.peers {list(peers)}")
+        peers = (leader,)
     out = GroupConfig(
         role=role,
         nnodes=nnodes,
         node_rank=rank,
         peers=peers or (),
+        leader=leader,
         token_file=r.get(s, p, "token_file", _opt_absolute_path, None) or cfg.admin.token_file,
         poll_interval=r.get(s, p, "poll_interval", _positive_duration, 0.5),
         poll_timeout=r.get(s, p, "poll_timeout", _positive_duration, 1.0),
@@ -915,6 +948,8 @@ def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
         r.error("sglang.args", f"node-rank {rank} is not below nnodes {nnodes}")
     if role == "single" and out.peers:
         r.error(f"{p}.peers", "set, but sglang.args.nnodes is not above 1")
+    if role == "single" and out.leader:
+        r.error(f"{p}.leader", "set, but sglang.args.nnodes is not above 1")
     if role == "follower" and len(out.peers) > 1:
         r.error(f"{p}.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
     if role == "leader" and out.peers and len(out.peers) != nnodes - 1:

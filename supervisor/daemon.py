@@ -144,7 +144,7 @@ class Daemon:
         # A multi-node replica coordinated over the admin endpoints (docs/multinode.md).
         self.group = self.observed.group = (
             group.Group(cfg, self.machine.ctx, fx.http, self.emit, fx.clock, fx.metrics)
-            if cfg.group.coordinated
+            if cfg.group.answers
             else None
         )
 
@@ -295,7 +295,7 @@ class Daemon:
     def dispatch(self, item: Item) -> None:
         self._beat = self.clock()
         if isinstance(item, _Read):
-            verdict = reload.judge(self.cfg, item.config)
+            verdict = reload.judge(self.cfg, item.config, self.observed.refused_reload)
             if verdict is Verdict.CHANGED:
                 assert isinstance(item.config, Config)
                 self._take(item.config)
@@ -434,7 +434,7 @@ class Daemon:
         self.pump.configure(new)
         self.recorder.reconfigure(new)
         if self.group is not None:
-            self.group.cfg = new  # timings and token file; the role and peers need a restart
+            self.group.cfg = new  # timings and token file (reload.judge refuses role, peers)
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic

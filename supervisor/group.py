@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,14 +30,21 @@ from supervisor.machine import (
     Event,
     GroupEnded,
     PeerView,
+    State,
     Transitioned,
     epoch_running,
     follower_ends,
+    follower_failed_ends,
     follower_may_join,
     group_ready,
     leader_ends,
 )
 from supervisor.metrics import Metrics
+
+# A GET /group answer is about 150 bytes. A peer that sends more is broken or hostile: reading
+# stops there, so it can neither hold supervision's memory nor its time (the whole exchange is
+# under poll_timeout as well).
+MAX_ANSWER_BYTES = 16 * 1024
 
 
 @dataclass
@@ -87,6 +95,11 @@ class Group:
         self.started = clock()
         self.polled = asyncio.Event()
         self._token_problem: str | None = None
+        self._told_failed: str | None = None  # follower: the leader's epoch it ended as failed
+        self._failed_why = ""
+        # kimi_serve_ready says what /readyz says: a follower's is gated on its leader, read
+        # at scrape time (set_function makes the gauge's own set() a no-op).
+        metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ what this node is
@@ -153,15 +166,31 @@ class Group:
 
     def transitioned(self, t: Transitioned) -> None:
         """A follower whose launch ends tells the leader at once (the leader's poll would see
-        it too, one poll later)."""
-        if self.role != "follower" or self.joined is None:
+        it too, one poll later); so does one that enters `failed`, joined or not."""
+        if self.role != "follower":
             return
-        if t.old is not t.new and epoch_running(t.old) and not epoch_running(t.new):
+        ended = t.old is not t.new and epoch_running(t.old) and not epoch_running(t.new)
+        if self.joined is not None and ended:
             epoch, self.joined = self.joined, None
             if t.reason != "group":
-                task = asyncio.get_running_loop().create_task(self._tell_end(epoch, t.reason))
-                self._tasks.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._tasks.discard)
+                self._spawn_tell(epoch, t.reason)
+        if t.new is State.FAILED and t.old is not t.new:
+            self._failed_why = f"{t.reason}: {t.detail}" if t.detail else t.reason
+            self._report_failed()
+
+    def _report_failed(self) -> None:
+        epoch = follower_failed_ends(self.ctx.state, self.leader(), self._told_failed)
+        if epoch is None:
+            return
+        self._told_failed = epoch
+        why = f"follower failed ({self._failed_why})"
+        self.log.warning("group: this follower failed; ending the leader's launch", epoch=epoch)
+        self._spawn_tell(epoch, why[:300])
+
+    def _spawn_tell(self, epoch: str, why: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._tell_end(epoch, why))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
 
     async def join(self) -> None:
         """Follower, host clean: wait until the leader has a new epoch starting, then take it.
@@ -204,6 +233,7 @@ class Group:
                     epoch, state, v, p.joined == epoch, self._gap(p, now), gcfg.partition_timeout
                 )
         else:
+            self._report_failed()  # each new epoch of a leader that relaunches, too
             why = follower_ends(
                 self.joined,
                 state,
@@ -240,13 +270,10 @@ class Group:
     async def _poll(self, p: _Peer, token: str | None) -> None:
         timeout = self.cfg.group.poll_timeout
         try:
-            r = await asyncio.wait_for(
-                self.http.get(f"{p.url}/group", headers=self._headers(token), timeout=timeout),
-                timeout + 0.5,
+            body = await asyncio.wait_for(
+                self._get_capped(f"{p.url}/group", self._headers(token), timeout), timeout + 0.5
             )
-            if r.status_code != 200:
-                raise ValueError(f"HTTP {r.status_code}")
-            view = parse_view(r.json())
+            view = parse_view(json.loads(body))
             if view is None:
                 raise ValueError("malformed /group answer")
         except (httpx.HTTPError, OSError, ValueError, TimeoutError) as exc:
@@ -260,17 +287,53 @@ class Group:
             self.log.info("group: peer reachable again", peer=p.url)
         p.view, p.last_ok, p.error = view, self.clock(), ""
 
+    async def _get_capped(self, url: str, headers: dict[str, str], timeout: float) -> bytes:
+        """The body of a 200 answer, read up to MAX_ANSWER_BYTES; ValueError beyond that
+        (declared or sent) or for another status. Uncompressed only: a small compressed
+        answer could inflate without bound."""
+        headers = {**headers, "Accept-Encoding": "identity"}
+        async with self.http.stream("GET", url, headers=headers, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}")
+            if r.headers.get("content-encoding", "identity") != "identity":
+                raise ValueError(f"answer encoded as {r.headers['content-encoding']!r}")
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+                raise ValueError(f"answer of {declared} bytes (at most {MAX_ANSWER_BYTES} read)")
+            body = bytearray()
+            async for chunk in r.aiter_raw():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    raise ValueError(f"answer larger than {MAX_ANSWER_BYTES} bytes")
+        return bytes(body)
+
     async def _tell_end(self, epoch: str, why: str) -> None:
         token = self._token()
         timeout = self.cfg.group.poll_timeout
         for p in self.peers:
             with contextlib.suppress(httpx.HTTPError, OSError, TimeoutError):
-                await asyncio.wait_for(
-                    self.http.post(
-                        f"{p.url}/group/end",
-                        json={"epoch": epoch, "why": why},
-                        headers=self._headers(token),
-                        timeout=timeout,
-                    ),
-                    timeout + 0.5,
-                )
+                # The answer is not needed: the stream is closed unread, whatever its size.
+                await asyncio.wait_for(self._post(p.url, epoch, why, token, timeout), timeout + 0.5)
+
+    async def _post(self, url: str, epoch: str, why: str, token: str | None, t: float) -> None:
+        body = {"epoch": epoch, "why": why}
+        headers = self._headers(token)
+        async with self.http.stream(
+            "POST", f"{url}/group/end", json=body, headers=headers, timeout=t
+        ) as r:
+            self.log.info("group: told the peer the launch ended", peer=url, status=r.status_code)
+
+
+def reload_refusal(running: Config, new: Config) -> str | None:
+    """Why a reloaded file cannot be taken while running, or None. The role (node rank) and
+    the peers are the group's shape: a node cannot change them alone, and SGLang's own
+    --node-rank must match what the other nodes run, so both apply at a start of the daemon."""
+    a, b = running.group, new.group
+    if (a.role, a.node_rank, a.nnodes) != (b.role, b.node_rank, b.nnodes):
+        return (
+            f"the multi-node role changed ({a.role}, node rank {a.node_rank} of {a.nnodes} -> "
+            f"{b.role}, node rank {b.node_rank} of {b.nnodes})"
+        )
+    if (a.peers, a.leader) != (b.peers, b.leader):
+        return f"group.peers changed ({list(a.peers)} -> {list(b.peers)})"
+    return None

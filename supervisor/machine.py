@@ -1057,6 +1057,10 @@ def leader_ends(
     """
     if not epoch_running(state):
         return None
+    if peer is not None and peer.state == State.FAILED.value:
+        # It will not launch (an unfit GPU, its own crash loop): rank 0 would wait for it at
+        # the rendezvous until load_timeout, or block in NCCL until SGLang's watchdog.
+        return f"follower failed: it cannot take part in epoch {epoch}"
     if peer is None:
         # One that never joined is the load timeout's business (rank 0 waits for it).
         if joined and unreachable_s >= partition_timeout:
@@ -1087,6 +1091,16 @@ def follower_ends(
     if not leader.running:
         return f"leader epoch {my_epoch} ended (leader {leader.state})"
     return None
+
+
+def follower_failed_ends(state: State, leader: PeerView | None, told: str | None) -> str | None:
+    """Follower in `failed`: the leader's running epoch it must end (each one once), or None.
+    Whether or not it had joined: the leader's launch cannot complete without it."""
+    if state is not State.FAILED or leader is None or leader.epoch is None:
+        return None
+    if not leader.running or leader.epoch == told:
+        return None
+    return leader.epoch
 
 
 def follower_may_join(leader: PeerView | None, last_epoch: str | None) -> bool:

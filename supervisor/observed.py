@@ -70,10 +70,14 @@ class Observed:
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
         self.router: RouterLink | None = None  # set by the daemon when router.url is set
         self.group: Any = None  # supervisor.group.Group of a coordinated multi-node replica
+        self.reload_refused: str | None = None  # why the last valid reload was not taken
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None
         metrics.set_gpu_source(self.gpu_status)
+
+    def refused_reload(self, why: str | None) -> None:
+        self.reload_refused = why
 
     # ------------------------------------------------------------------ fed by actions
 
@@ -303,5 +307,6 @@ class Observed:
             "intent": self.intent,
             "events": list(self.events),
             "router": None if self.router is None else self.router.status(),
+            "reload_refused": self.reload_refused,
             **({} if self.group is None else {"group": self.group.status()}),
         }

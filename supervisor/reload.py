@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from supervisor import config as config_mod
-from supervisor import log, preflight
+from supervisor import group, log, preflight
 from supervisor.config import Config, ConfigError, ConfigIssue
 from supervisor.machine import Verdict
 from supervisor.threads import in_thread
@@ -49,8 +50,13 @@ def _comparable(cfg: Config) -> Any:
     return replace(cfg, path="")
 
 
-def judge(running: Config, new: Config | ConfigError) -> Verdict:
-    """Invalid, unchanged or changed; logs why. The caller takes a changed config."""
+def judge(
+    running: Config,
+    new: Config | ConfigError,
+    refused: Callable[[str | None], None] = lambda _: None,
+) -> Verdict:
+    """Invalid, unchanged or changed; logs why. The caller takes a changed config.
+    `refused` hears why a valid file was refused (None once one is taken): /status."""
     logger = log.get()
     if isinstance(new, ConfigError):
         logger.error(
@@ -58,6 +64,13 @@ def judge(running: Config, new: Config | ConfigError) -> Verdict:
             errors=new.render().splitlines(),
         )
         return Verdict.INVALID
+    problem = group.reload_refusal(running, new)
+    if problem is not None:
+        problem += "; it applies at the next start of the daemon (restart every node of the group)"
+        logger.error("reload refused: keeping the running configuration", why=problem)
+        refused(problem)
+        return Verdict.INVALID
+    refused(None)
     if _comparable(new) == _comparable(running):
         logger.info("reload: configuration unchanged")
         return Verdict.UNCHANGED

@@ -270,7 +270,49 @@ def test_the_multi_node_config_needs_the_lws_environment(
     assert {i.path for i in err.value.issues} == {
         "sglang.args.node-rank",
         "sglang.args.dist-init-addr",
+        "group.leader",
     }
+
+
+def test_the_worker_s_readiness_is_gated_on_the_leader_with_the_secret_token(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    got = dict(configs(rendered))
+    leader, worker = got["leader"], got["worker"]
+    # The worker polls the leader's admin endpoint (LWS_LEADER_ADDRESS, admin.listen's port):
+    # its /readyz follows the leader's decode-verified readiness of the same launch.
+    leader_admin = f"http://{LEADER_ENV['LWS_LEADER_ADDRESS']}:{leader.admin.port}"
+    assert worker.group.role == "follower" and worker.group.peers == (leader_admin,)
+    assert worker.group.coordinated
+    # The leader polls no one but answers GET /group.
+    assert leader.group.role == "leader" and leader.group.peers == () and leader.group.answers
+    assert worker.admin.port == leader.admin.port
+    # One token on both pods, presented by the worker and checked by the leader.
+    assert worker.group.token_file == worker.admin.token_file == leader.admin.token_file
+    for role, cfg in (("leader", leader), ("worker", worker)):
+        assert cfg.admin.allow_remote is True, role  # the kubelet and the worker reach it
+        template = templates(rendered)[role]
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        mounts = {m["mountPath"]: m for m in container(template)["volumeMounts"]}
+        token = Path(cfg.admin.token_file)
+        mount = mounts[str(token.parent)]
+        assert mount["readOnly"] is True, role
+        secret = volumes[mount["name"]]["secret"]
+        # Owner-only: kimi-serve refuses a token file group or others may read.
+        assert secret["defaultMode"] == 0o400, role
+        assert secret["secretName"] == "kimi-serve-admin-token", role
+        assert [i["path"] for i in secret["items"]] == [token.name], role
+    # The worker reaches the leader's admin port: the replica's pods may talk on every port.
+    policy = one(rendered["multi-node"], "NetworkPolicy")["spec"]
+    labels = templates(rendered)["worker"]["metadata"]["labels"]
+    assert any(
+        "ports" not in r
+        and any(
+            f.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+            for f in r.get("from", [])
+        )
+        for r in policy["ingress"]
+    )
 
 
 @pytest.mark.slow
