@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from supervisor.gpu_sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
 from testkit import running
 from testkit.pair import Proxy, launches, node_configs, ready, shared_token, until_all
 
@@ -170,3 +174,115 @@ def test_group_endpoints_need_the_token(tmp_path: Path) -> None:
             leader.admin + "/group/end", json={"epoch": "old"}, headers=leader.auth(), timeout=5
         )
         assert r.status_code == 200 and r.json()["accepted"] is False
+
+
+# ------------------------------------------------------------------ the Kubernetes shape
+
+
+def kubernetes_shape(leader_cfg: dict[str, Any], follower_cfg: dict[str, Any]) -> dict[str, str]:
+    """As packaging/kubernetes/multi-node has it: one `group.leader` URL with a variable from
+    the environment on both nodes (LWS_LEADER_ADDRESS there), so the follower polls the leader
+    and the leader polls no one. Returns the environment both daemons need."""
+    for cfg in (leader_cfg, follower_cfg):
+        del cfg["group"]["peers"]
+        cfg["group"]["leader"] = "http://${TEST_LEADER_ADMIN}"
+    return {"TEST_LEADER_ADMIN": leader_cfg["admin"]["listen"]}
+
+
+def metric(admin: str, line_start: str) -> str:
+    text = httpx.get(admin + "/metrics", timeout=5).text
+    return next(line for line in text.splitlines() if line.startswith(line_start))
+
+
+def at(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def unfit_gpu_env(tmp: Path, env: dict[str, str]) -> dict[str, str]:
+    """Simulated NVML (supervisor/gpu_sim.py) with GPU 0 needing a reset."""
+    (tmp / "health").write_text("0:remap_pending")
+    return {
+        **env,
+        ENV_GPUS: "2",
+        ENV_TAG: f"multinode-{uuid.uuid4().hex[:12]}",
+        ENV_HEALTH: f"@{tmp / 'health'}",
+    }
+
+
+def test_a_failed_follower_ends_each_leader_epoch_at_once(tmp_path: Path) -> None:
+    leader_cfg, follower_cfg = node_configs(tmp_path)
+    follower_cfg["gpus"] = {"manage": True}
+    with running(node(tmp_path, 0), leader_cfg) as leader:
+        leader.wait_state("loading")
+        env = unfit_gpu_env(tmp_path, {})
+        with running(node(tmp_path, 1), follower_cfg, env=env) as follower:
+            failed = follower.wait_state("failed")
+            assert failed["reason"] == "gpu_unfit" and "needs a reset" in failed["detail"]
+            # Each epoch the leader starts ends within a poll or two, not at load_timeout
+            # (20 s here; 30 min in production) nor after NCCL's watchdog.
+            since, what = at(failed), "the follower failed"
+            for n in (1, 2):
+                ended = leader.wait_state("restarting", timeout=10)
+                assert ended["reason"] == "group" and "follower failed" in ended["detail"]
+                print(f"\nepoch {n} ended {at(ended) - since:.2f}s after {what}")
+                since, what = at(leader.wait_state("launching")), "it launched"
+            assert launches(follower_cfg) == 0
+            assert follower.status()["state"] == "failed"
+
+
+def test_kubernetes_shape_a_failed_follower_makes_the_leader_exit_for_the_group(
+    tmp_path: Path,
+) -> None:
+    leader_cfg, follower_cfg = node_configs(tmp_path)
+    env = kubernetes_shape(leader_cfg, follower_cfg)
+    leader_cfg["restart"]["mode"] = follower_cfg["restart"]["mode"] = "exit"
+    follower_cfg["gpus"] = {"manage": True}
+    with running(node(tmp_path, 0), leader_cfg, env=env) as leader:
+        leader.wait_state("loading")
+        assert group(leader)["peers"] == []  # polls no one, answers GET /group
+        with running(node(tmp_path, 1), follower_cfg, env=unfit_gpu_env(tmp_path, env)) as f:
+            failed = f.wait_state("failed")
+            # The follower's POST /group/end is the only way the leader hears it here.
+            stopping = leader.wait_state("stopping", timeout=10)
+            assert "follower failed (gpu_unfit" in stopping["detail"], stopping
+            assert leader.proc.wait(30) == 75  # the LeaderWorkerSet recreates the group
+            print(f"\nthe leader exited for the group {at(stopping) - at(failed):.2f}s after")
+
+
+def test_kubernetes_shape_the_follower_s_readyz_and_ready_metric_follow_the_leader(
+    tmp_path: Path,
+) -> None:
+    leader_cfg, follower_cfg = node_configs(tmp_path)
+    env = kubernetes_shape(leader_cfg, follower_cfg)
+    follower_cfg["group"]["partition_timeout"] = "60s"  # the follower's own launch stays up
+    with (
+        running(node(tmp_path, 0), leader_cfg, env=env) as leader,
+        running(node(tmp_path, 1), follower_cfg, env=env) as follower,
+    ):
+        a, b = leader.admin, follower.admin
+        until_all(lambda: both_ready(a, b), 20, "both ready")
+        assert group(follower)["peers"][0]["url"] == a
+        assert metric(b, "kimi_serve_ready ") == "kimi_serve_ready 1.0"
+        leader.signal(signal.SIGSTOP)  # the leader's word goes missing; its SGLang runs on
+        try:
+            until_all(lambda: not ready(b), 5, "the follower's /readyz 503")
+            assert metric(b, "kimi_serve_ready ") == "kimi_serve_ready 0.0"
+            assert follower.status()["state"] == "ready"  # its own processes still live
+        finally:
+            leader.signal(signal.SIGCONT)
+        until_all(lambda: ready(b), 10, "the follower ready again")
+        assert metric(b, "kimi_serve_ready ") == "kimi_serve_ready 1.0"
+
+        # A reload that would change the follower's leader is refused, with its reason.
+        before = launches(follower_cfg)
+        changed = {**follower_cfg, "group": {**follower_cfg["group"], "leader": "http://x:1"}}
+        follower.config_path.write_text(yaml.safe_dump(changed))
+        follower.signal(signal.SIGHUP)
+        refused = follower.wait_for(
+            lambda e: e.get("event") == "reload refused: keeping the running configuration",
+            what="the refusal",
+        )
+        assert "group.peers changed" in refused["why"], refused
+        doc = follower.status()
+        assert doc["reload_refused"] == refused["why"] and doc["state"] == "ready"
+        assert doc["group"]["peers"][0]["url"] == a and launches(follower_cfg) == before
