@@ -89,7 +89,8 @@ class Metrics:
         )
         self.ready = Gauge(
             "kimi_serve_ready",
-            "1 when SGLang has passed a real decode probe and is serving (ready or degraded).",
+            "1 when SGLang has passed a real decode probe and is serving (ready or degraded); "
+            "on a multi-node follower, only while the leader reports the same launch ready.",
             registry=r,
         )
         self.group_peer_up = Gauge(

@@ -63,6 +63,8 @@ def render(doc: dict[str, Any], now: float) -> str:
                 else f"UNREACHABLE for {p.get('unreachable_s')} s: {p.get('error')}"
             )
             out.append(f"      peer {p.get('url')}: {seen}")
+    if doc.get("reload_refused"):
+        out.append(f"    Reload: REFUSED: {doc['reload_refused']}")
     restarts = doc.get("restarts") or {}
     total = sum(restarts.values())
     by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))

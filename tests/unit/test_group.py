@@ -158,6 +158,11 @@ def test_a_reload_changing_the_role_or_the_peers_is_refused_with_one_line() -> N
     assert "next start of the daemon" in line["why"] and heard == [line["why"]]
     assert reload.judge(running, timing, heard.append) is Verdict.CHANGED
     assert heard[-1] is None  # a reload that is taken clears /status.reload_refused
+    from supervisor.status import render
+
+    text = render({"state": "ready", "reload_refused": line["why"]}, 0.0)
+    assert f"Reload: REFUSED: {line['why']}" in text
+    assert "Reload" not in render({"state": "ready", "reload_refused": None}, 0.0)
 
 
 # ------------------------------------------------------------------ a misbehaving peer
