@@ -1,12 +1,18 @@
 """`python -m bench.multinode`: a two-node replica's relaunch, simulated on one machine.
 
     .venv/bin/python -m bench.multinode [--rounds 5]
+    .venv/bin/python -m bench.multinode --failed-follower [--rounds 5]
 
 Two real daemons (`kimi-serve run`), two stand-ins in multi-node mode (rank 0 and rank 1 meet
 at --dist-init-addr), loopback admin endpoints, one shared token, `group.poll_interval` 0.2 s.
 Per round, one node's SGLang main process is SIGKILLed (alternately the follower's and the
 leader's): the time until every node's /readyz answers 503, and until both answer 200 again,
-with the stand-in's own load and warm-up (0.4 s per launch) taken out. docs/benchmarks.md has
+with the stand-in's own load and warm-up (0.4 s per launch) taken out.
+
+`--failed-follower`: the follower's simulated GPU 0 needs a reset (supervisor/gpu_sim.py), so
+it goes `failed` before any launch; the leader keeps starting epochs (its backoff 0.1 s) and
+each must end at once. Measured per epoch from the leader's `launching` log line (the first:
+from the follower's `failed`) to its `restarting` with reason `group`. docs/benchmarks.md has
 the figures.
 """
 
@@ -17,18 +23,57 @@ import os
 import signal
 import statistics
 import tempfile
+import uuid
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+from supervisor.gpu_sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
 from testkit import running
 from testkit.pair import node_configs, ready, until_all
 
 LOAD_S = 0.3 + 0.1  # base_config: STANDIN_LOAD_SECONDS + STANDIN_WARMUP_SECONDS
 
 
+def at(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def failed_follower(rounds: int) -> None:
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        leader_cfg, follower_cfg = node_configs(tmp)
+        follower_cfg["gpus"] = {"manage": True}
+        (tmp / "health").write_text("0:remap_pending")
+        env = {
+            ENV_GPUS: "2",
+            ENV_TAG: f"bench-multinode-{uuid.uuid4().hex[:12]}",
+            ENV_HEALTH: f"@{tmp / 'health'}",
+        }
+        ends: list[float] = []
+        with running(tmp / "node0", leader_cfg) as leader:
+            leader.wait_state("loading")
+            with running(tmp / "node1", follower_cfg, env=env) as follower:
+                since = at(follower.wait_state("failed"))
+                for _ in range(rounds):
+                    ended = leader.wait_state("restarting", timeout=30)
+                    assert ended["reason"] == "group", ended
+                    ends.append(at(ended) - since)
+                    since = at(leader.wait_state("launching"))
+    print("a failed follower: the leader's epoch ended after (s):")
+    print(" ".join(f"{e:.2f}" for e in ends))
+    print(f"median {statistics.median(ends):.2f}, max {max(ends):.2f}, {rounds} epochs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
-    rounds = ap.parse_args().rounds
+    ap.add_argument("--failed-follower", action="store_true")
+    args = ap.parse_args()
+    rounds = args.rounds
+    if args.failed_follower:
+        failed_follower(rounds)
+        return
     out: dict[str, tuple[list[float], list[float]]] = {"follower": ([], []), "leader": ([], [])}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)

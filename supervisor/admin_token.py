@@ -148,7 +148,9 @@ def resolve(path: str) -> tuple[str, os.stat_result]:
     service user. So nobody else can point the path at a file of their choosing, now or by a
     later swap. TokenFileError names the component that breaks the rule."""
     me = os.geteuid()
-    todo = [c for c in reversed(os.path.abspath(path).split("/")) if c]
+    # Not os.path.abspath: it drops "x/.." before x is known to be a directory or a link.
+    full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    todo = [c for c in reversed(full.split("/")) if c]
     current = "/"
     dir_st = _lstat(path, current)
     links = 0

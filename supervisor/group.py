@@ -206,6 +206,8 @@ class Group:
     # ------------------------------------------------------------------ polling
 
     async def run(self) -> None:
+        if not self.peers:
+            return  # a leader that lists no followers only answers their polls
         while True:
             await self.poll_once()
             await asyncio.sleep(self.cfg.group.poll_interval)

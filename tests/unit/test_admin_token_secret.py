@@ -183,3 +183,16 @@ def test_the_daemon_refuses_an_unsafe_secret_with_78_naming_file_and_key(tmp_pat
     assert f"admin token file {path}" in r.stderr and "mode 0644" in r.stderr, r.stderr
     assert f"admin.token_file in {config_path}" in r.stderr, r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_relative_link_through_a_parent_directory_is_resolved_as_the_kernel_does(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a").mkdir(mode=0o755)
+    (tmp_path / "b").mkdir(mode=0o755)
+    token = admin_token.ensure(str(tmp_path / "b" / "admin.token"))
+    (tmp_path / "a" / "link").symlink_to("../b/admin.token")
+    assert admin_token.resolve(str(tmp_path / "a" / "link"))[0] == str(
+        tmp_path / "b" / "admin.token"
+    )
+    assert admin_token.load(str(tmp_path / "a" / "link")) == token
