@@ -419,10 +419,9 @@ class Daemon:
     async def _clean_then_join(self, cleaned: Coroutine[Any, Any, Event]) -> Event:
         """A follower launches only into the leader's next epoch (group.Group.join)."""
         event = await cleaned
-        if self.group is not None and self.group.role == "follower" and isinstance(
-            event, HostReady
-        ) and not self.machine.ctx.handing_over:
-            await self.group.join()
+        g, joins = self.group, isinstance(event, HostReady) and not self.machine.ctx.handing_over
+        if joins and g is not None and g.role == "follower":
+            await g.join()
         return event
 
     async def _read_config(self) -> _Read:
