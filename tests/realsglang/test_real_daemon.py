@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -135,29 +135,17 @@ def _flood(r: Real, n: int, tokens: int, text: str) -> list[concurrent.futures.F
     return futures
 
 
-def _ride_out(r: Real, futures: list[concurrent.futures.Future[Any]]) -> list[dict[str, Any]]:
-    """Watch the daemon until every request is answered: never a restart, never out of ready."""
-    probes: list[dict[str, Any]] = []
-    launch = r.d.status()["child"]["launch"]
-    while not all(f.done() for f in futures):
-        status = r.d.status()
-        assert status["restarts"] == {}, status["last_restart"]
-        assert status["state"] in ("ready", "degraded"), (status["events"][-3:], probes[-4:])
-        assert status["child"]["launch"] == launch
-        p = status["last_probe"]
-        if p and (not probes or p["at"] != probes[-1]["at"]):
-            probes.append(p)
-        time.sleep(0.2)
-    return probes
-
-
-def _until_busy_probes(r: Real, n: int, timeout: float) -> list[dict[str, Any]]:
-    """Watch the saturated daemon until `n` probes were judged busy: never a restart."""
+def _ride_out(
+    r: Real,
+    until: Callable[[list[dict[str, Any]]], bool],
+    timeout: float = 300,
+) -> list[dict[str, Any]]:
+    """Watch the daemon until `until(probes so far)`: never a restart, never out of ready."""
     probes: list[dict[str, Any]] = []
     launch = r.d.status()["child"]["launch"]
     deadline = time.monotonic() + timeout
-    while sum(p["busy"] for p in probes) < n:
-        assert time.monotonic() < deadline, f"fewer than {n} busy probes in {timeout}s: {probes}"
+    while not until(probes):
+        assert time.monotonic() < deadline, f"not done in {timeout}s: {probes}"
         status = r.d.status()
         assert status["restarts"] == {}, status["last_restart"]
         assert status["state"] in ("ready", "degraded"), (status["events"][-3:], probes[-4:])
@@ -193,7 +181,7 @@ def test_a_saturated_server_is_not_restarted(served: Real) -> None:
     ]
     pool.shutdown(wait=False)
     try:
-        probes = _until_busy_probes(served, threshold + 1, timeout=240)
+        probes = _ride_out(served, lambda ps: sum(p["busy"] for p in ps) > threshold, 240)
         # The scenario did what it is for: nothing finished while the probes timed out.
         assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
     finally:
@@ -216,7 +204,7 @@ def test_long_prefills_are_not_restarted(served: Real) -> None:
     # server that runs two: prefill and queueing instead of long decodes.
     long_prompt = "the quick brown fox jumps over the lazy dog " * 100
     futures = _flood(served, 4, 100, long_prompt)
-    _ride_out(served, futures)
+    _ride_out(served, lambda _: all(f.done() for f in futures))
     answers = [f.result() for f in futures]
     assert all(a["meta_info"]["prompt_tokens"] > 500 for a in answers)
     assert served.d.status()["state"] == "ready"
