@@ -181,7 +181,7 @@ class Daemon:
                 # Whatever a previous run left in the router's list is not decode-verified.
                 self.router.begin_deregister("startup")
             on_drain, on_undrain = router.drain_ops(
-                self.router, self.request_drain, self.request_undrain
+                lambda: self.router, self.request_drain, self.request_undrain
             )
             try:
                 served = await admin.open_endpoint(
@@ -296,9 +296,8 @@ class Daemon:
         self._beat = self.clock()
         if isinstance(item, _Read):
             verdict = reload.judge(self.cfg, item.config)
-            if verdict is Verdict.CHANGED:
-                assert isinstance(item.config, Config)
-                self._take(item.config)
+            if isinstance(item.config, Config) and verdict is not Verdict.INVALID:
+                self._take(item.config, verdict)
             item = ConfigRead(verdict)
         elif isinstance(item, ChildExited | ChildGone):
             # A traceback whose end never came is the death's cause: its verdict goes first.
@@ -372,12 +371,8 @@ class Daemon:
                     self.notifier.ready(line)
                 else:
                     self.notifier.status(line)
-            case RouterRegister():
-                if self.router is not None:
-                    self.router.want_registered()
-            case RouterDeregister():
-                if self.router is not None:
-                    self.router.begin_deregister(action.reason, action.wait_idle)
+            case RouterRegister() | RouterDeregister():
+                router.carry_out(self.router, action)
             case Exit():
                 self._exit_code = 1 if self._internal_error else action.code
 
@@ -428,8 +423,14 @@ class Daemon:
     async def _read_config(self) -> _Read:
         return _Read(await reload.read(self.cfg.path))
 
-    def _take(self, new: Config) -> None:
-        """A changed configuration replaces the running one, everywhere it is read."""
+    def _take(self, new: Config, verdict: Verdict) -> None:
+        """A valid configuration replaces the running one, everywhere it is read."""
+        ready = verdict is Verdict.UNCHANGED and self.machine.state is State.READY
+        self.router = self.observed.router = router.relink(
+            self.router, new, self.log, self.metrics, ready
+        )
+        # A link a reload removed still deregisters before the stop that may follow.
+        self.launcher.router = self.router or self.launcher.router
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
         self.pump.configure(new)
         self.recorder.reconfigure(new)
