@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from supervisor import config, reload
 from supervisor.config import Config
 from supervisor.metrics import Metrics
 from supervisor.router import RouterLink, close_link, link_for, relink
-from testkit.daemon import running
+from testkit.daemon import BIN, running
 from testkit.fleet import registered, replica_config, worker_url
 from testkit.router import RouterProcess
 from testkit.standin import Standin
@@ -212,6 +213,13 @@ async def test_the_daemon_moves_between_routers_on_sighup_without_a_restart(
         assert url not in router.urls()
         assert await asyncio.to_thread(d.sglang_pid) == pid, "SGLang was restarted"
         assert "restarting" not in d.states()
+        shown = subprocess.run(
+            [str(BIN), "status", "--config", str(d.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert f"Router: {other_router.url} as {url}, registered (worker " in shown.stdout, shown
 
         del cfg["router"]
         d.config_path.write_text(yaml.safe_dump(cfg))
