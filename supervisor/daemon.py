@@ -118,7 +118,9 @@ class Daemon:
         self.recorder = IncidentRecorder(cfg, wall=fx.wall)
         self.observed.recorder = self.recorder
         self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self.recorder.line)
-        self.router = self.observed.router = router.link_for(cfg, self.log, fx.metrics)
+        self.router = self.observed.router = router.link_for(
+            cfg, self.log, fx.metrics, fx.router_http
+        )
         self.launcher = Launcher(
             cfg,
             self.machine.ctx,
@@ -177,12 +179,9 @@ class Daemon:
             self.monitor = self.observed.monitor = await fitness_watch.start(
                 self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
             )
-            if self.router is not None:
-                # Whatever a previous run left in the router's list is not decode-verified.
-                self.router.begin_deregister("startup")
-            on_drain, on_undrain = router.drain_ops(
-                lambda: self.router, self.request_drain, self.request_undrain
-            )
+            # Whatever a previous run left in the router's list is not decode-verified.
+            router.carry_out(self.router, RouterDeregister(0, "startup", wait_idle=False))
+            on_drain, on_undrain = router.drain_ops(self)
             try:
                 served = await admin.open_endpoint(
                     self,
@@ -427,7 +426,7 @@ class Daemon:
         """A valid configuration replaces the running one, everywhere it is read."""
         ready = verdict is Verdict.UNCHANGED and self.machine.state is State.READY
         self.router = self.observed.router = router.relink(
-            self.router, new, self.log, self.metrics, ready
+            self.router, new, self.log, self.metrics, ready, self.fx.router_http
         )
         # A link a reload removed still deregisters before the stop that may follow.
         self.launcher.router = self.router or self.launcher.router

@@ -38,6 +38,7 @@ from supervisor import admin
 from supervisor.config import Config, RouterConfig
 from supervisor.machine import RouterDeregister, RouterRegister
 
+HttpFactory = Callable[[], httpx.AsyncClient]
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
 
 
@@ -732,12 +733,15 @@ async def answer_undrain(link: RouterLink | None, request: Callable[[], str | No
 # ---------------------------------------------------------------------- the daemon's link
 
 
-def link_for(cfg: Config, log: Log, metrics: RouterMetrics) -> RouterLink | None:
-    """The daemon's link, or None without router.url. Its own HTTP client: a router that hangs
-    must not hold connections the probes need."""
+def link_for(
+    cfg: Config, log: Log, metrics: RouterMetrics, http: HttpFactory | None = None
+) -> RouterLink | None:
+    """The daemon's link, or None without router.url. Its own HTTP client (`http()`, the
+    daemon's `Effects.router_http`): a router that hangs must not hold connections the probes
+    need."""
     if cfg.router.url is None:
         return None
-    client = httpx.AsyncClient(trust_env=False)
+    client = http() if http is not None else httpx.AsyncClient(trust_env=False)
     return RouterLink(cfg.router, client, log, metrics, sglang_url=_sglang_url(cfg))
 
 
@@ -746,7 +750,12 @@ def _sglang_url(cfg: Config) -> str:
 
 
 def relink(
-    link: RouterLink | None, cfg: Config, log: Log, metrics: RouterMetrics, ready: bool
+    link: RouterLink | None,
+    cfg: Config,
+    log: Log,
+    metrics: RouterMetrics,
+    ready: bool,
+    http: HttpFactory | None = None,
 ) -> RouterLink | None:
     """The daemon's link after a reload took `cfg`. `ready`: the machine is `ready` and stays
     so (no restart follows), so a newly configured router gets this SGLang at once.
@@ -764,7 +773,7 @@ def relink(
             task.add_done_callback(_closing.discard)
         return None
     if link is None:
-        fresh = link_for(cfg, log, metrics)
+        fresh = link_for(cfg, log, metrics, http)
         assert fresh is not None
         if ready and cfg.group.role != "follower":
             fresh.want_registered()
@@ -807,19 +816,27 @@ async def close_link(link: RouterLink | None) -> None:
         await link.client.aclose()
 
 
-def drain_ops(
-    link: Callable[[], RouterLink | None],
-    drain: Callable[[], str | None],
-    undrain: Callable[[], str | None],
-) -> tuple[Callable[[], Any], Callable[[], Any]]:
+class DrainHost(Protocol):
+    """What the admin drain needs of the daemon: its current link (a reload may add, move or
+    remove it) and the machine's verdict on a drain / undrain request."""
+
+    @property
+    def router(self) -> RouterLink | None: ...
+    def request_drain(self) -> str | None: ...
+    def request_undrain(self) -> str | None: ...
+
+
+def drain_ops(host: DrainHost) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """The admin endpoint's on_drain / on_undrain: 409 (admin.Refused) when the machine
-    refuses, else the answer once the router work is done (drain) or started (undrain).
-    `link()` is the daemon's current link (a reload may add, move or remove it)."""
+    refuses, else the answer once the router work is done (drain) or started (undrain)."""
 
     async def run(answer: Any, request: Callable[[], str | None]) -> dict[str, Any]:
-        got: DrainAnswer = await answer(link(), request)
+        got: DrainAnswer = await answer(host.router, request)
         if got.status != 200:
             raise admin.Refused(str(got.body.get("error")))
         return got.body
 
-    return (lambda: run(answer_drain, drain)), (lambda: run(answer_undrain, undrain))
+    return (
+        (lambda: run(answer_drain, host.request_drain)),
+        (lambda: run(answer_undrain, host.request_undrain)),
+    )
