@@ -118,7 +118,9 @@ class Daemon:
         self.recorder = IncidentRecorder(cfg, wall=fx.wall)
         self.observed.recorder = self.recorder
         self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self.recorder.line)
-        self.router = self.observed.router = router.link_for(cfg, self.log, fx.metrics)
+        self.router = self.observed.router = router.link_for(
+            cfg, self.log, fx.metrics, fx.router_http
+        )
         self.launcher = Launcher(
             cfg,
             self.machine.ctx,
@@ -177,12 +179,9 @@ class Daemon:
             self.monitor = self.observed.monitor = await fitness_watch.start(
                 self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
             )
-            if self.router is not None:
-                # Whatever a previous run left in the router's list is not decode-verified.
-                self.router.begin_deregister("startup")
-            on_drain, on_undrain = router.drain_ops(
-                self.router, self.request_drain, self.request_undrain
-            )
+            # Whatever a previous run left in the router's list is not decode-verified.
+            router.carry_out(self.router, RouterDeregister(0, "startup", wait_idle=False))
+            on_drain, on_undrain = router.drain_ops(self)
             try:
                 served = await admin.open_endpoint(
                     self,
@@ -296,9 +295,8 @@ class Daemon:
         self._beat = self.clock()
         if isinstance(item, _Read):
             verdict = reload.judge(self.cfg, item.config, self.observed.refused_reload)
-            if verdict is Verdict.CHANGED:
-                assert isinstance(item.config, Config)
-                self._take(item.config)
+            if isinstance(item.config, Config) and verdict is not Verdict.INVALID:
+                self._take(item.config, verdict)
             item = ConfigRead(verdict)
         elif isinstance(item, ChildExited | ChildGone):
             # A traceback whose end never came is the death's cause: its verdict goes first.
@@ -372,12 +370,8 @@ class Daemon:
                     self.notifier.ready(line)
                 else:
                     self.notifier.status(line)
-            case RouterRegister():
-                if self.router is not None:
-                    self.router.want_registered()
-            case RouterDeregister():
-                if self.router is not None:
-                    self.router.begin_deregister(action.reason, action.wait_idle)
+            case RouterRegister() | RouterDeregister():
+                router.carry_out(self.router, action)
             case Exit():
                 self._exit_code = 1 if self._internal_error else action.code
 
@@ -427,8 +421,14 @@ class Daemon:
     async def _read_config(self) -> _Read:
         return _Read(await reload.read(self.cfg.path))
 
-    def _take(self, new: Config) -> None:
-        """A changed configuration replaces the running one, everywhere it is read."""
+    def _take(self, new: Config, verdict: Verdict) -> None:
+        """A valid configuration replaces the running one, everywhere it is read."""
+        ready = verdict is Verdict.UNCHANGED and self.machine.state is State.READY
+        self.router = self.observed.router = router.relink(
+            self.router, new, self.log, self.metrics, ready, self.fx.router_http
+        )
+        # A link a reload removed still deregisters before the stop that may follow.
+        self.launcher.router = self.router or self.launcher.router
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
         self.pump.configure(new)
         self.recorder.reconfigure(new)

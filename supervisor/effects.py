@@ -1,7 +1,8 @@
 """Everything the daemon does to the world, handed to it as one object.
 
 `Daemon(cfg, Effects(...))`: the process owner, the launch-record store, the HTTP client, the
-NVML opener, the clocks, the systemd notifier and the metrics registry. `cli.py` builds the real
+router's HTTP client factory, the NVML opener, the clocks, the systemd notifier and the metrics
+registry. `cli.py` builds the real
 ones (`Effects.real`), choosing real or simulated GPUs; tests build theirs with fakes.
 """
 
@@ -31,6 +32,9 @@ class Effects:
     wall: Callable[[], float] = time.time  # what /status shows
     notifier: Notifier = field(default_factory=Notifier)
     metrics: Metrics = field(default_factory=Metrics)
+    # The router link's own client, one per link (router.url set, or set by a reload): a router
+    # that hangs must not hold the connections the probes need.
+    router_http: Callable[[], httpx.AsyncClient] = lambda: httpx.AsyncClient(trust_env=False)
 
     @classmethod
     def real(cls, cfg: Config, open_nvml: NvmlOpener = PynvmlNvml) -> Effects:

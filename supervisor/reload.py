@@ -50,13 +50,24 @@ def _comparable(cfg: Config) -> Any:
     return replace(cfg, path="")
 
 
+def router_only(running: Config, new: Config) -> bool:
+    """Only the `router:` section differs: nothing SGLang runs with changed."""
+    return new.router != running.router and _comparable(replace(new, router=running.router)) == (
+        _comparable(running)
+    )
+
+
 def judge(
     running: Config,
     new: Config | ConfigError,
     refused: Callable[[str | None], None] = lambda _: None,
 ) -> Verdict:
-    """Invalid, unchanged or changed; logs why. The caller takes a changed config.
-    `refused` hears why a valid file was refused (None once one is taken): /status."""
+    """Invalid, unchanged or changed; logs why. The caller takes every valid config (a changed
+    one restarts SGLang). A change of the `router:` section alone is `UNCHANGED` to the
+    machine, which has nothing to restart for it; the daemon's router link applies it
+    (`router.relink`: another router or worker URL is left and joined, drain_timeout and
+    api_key_file apply at once). `refused` hears why a valid file was refused (None once one
+    is taken): /status."""
     logger = log.get()
     if isinstance(new, ConfigError):
         logger.error(
@@ -73,6 +84,9 @@ def judge(
     refused(None)
     if _comparable(new) == _comparable(running):
         logger.info("reload: configuration unchanged")
+        return Verdict.UNCHANGED
+    if router_only(running, new):
+        logger.info("reload: only the router section changed; SGLang keeps running")
         return Verdict.UNCHANGED
     if (new.admin, new.state_dir, new.logging) != (
         running.admin,

@@ -36,7 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import admin
 from supervisor.config import Config, RouterConfig
+from supervisor.machine import RouterDeregister, RouterRegister
 
+HttpFactory = Callable[[], httpx.AsyncClient]
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
 
 
@@ -326,6 +328,58 @@ class RouterLink:
 
     def status(self) -> dict[str, Any]:
         return self.state.to_status()
+
+    def reconfigure(self, cfg: RouterConfig) -> None:
+        """A reload that keeps the router and the worker URL: drain_timeout and api_key_file
+        apply from the next call on."""
+        self.cfg = cfg
+        self._headers = self._auth_headers()
+
+    def retarget(self, cfg: RouterConfig, sglang_url: str) -> None:
+        """A reload moved this SGLang to another router (router.url) or another worker URL:
+        out of the old list, confirmed as before any stop, then the same duty towards the new
+        one (registered at once if the machine wants it, kept out otherwise).
+
+        Begun on the loop's next turn: the actions the machine takes for the same reload (a
+        restart's deregistration and drain, of the SGLang still running at its old URL) are
+        handed to this link first, so the move waits for them."""
+        asyncio.get_running_loop().call_soon(self._begin_retarget, cfg, sglang_url)
+
+    def _begin_retarget(self, cfg: RouterConfig, sglang_url: str) -> None:
+        previous = self._pending
+
+        async def run() -> DrainResult | None:
+            if previous is not None and not previous.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await previous
+            await self._stop_loop()
+            async with self._lock:
+                removed = await self._remove_all("deregister")
+                old = (self.cfg.url, self.cfg.worker_url)
+                self._switch(cfg, sglang_url)
+            self.log.info(
+                "router: moved",
+                old_url=old[0],
+                old_worker_url=old[1],
+                url=cfg.url,
+                worker_url=cfg.worker_url,
+                removed_from_old=removed,
+            )
+            self._attempt = 0
+            self._ensure_loop()
+            self._wake.set()
+            return None
+
+        if not self._closed:
+            self._pending = asyncio.get_running_loop().create_task(run())
+
+    def _switch(self, cfg: RouterConfig, sglang_url: str) -> None:
+        assert cfg.url is not None
+        wanted, errors = self.state.wanted, self.state.errors
+        self._set_registered(False)
+        self.cfg, self.base, self.sglang_url = cfg, cfg.url.rstrip("/"), sglang_url.rstrip("/")
+        self.state = RouterState(cfg.url, cfg.worker_url, wanted=wanted, errors=errors)
+        self._headers = self._auth_headers()
 
     async def close(self, timeout: float = 5.0) -> None:
         """Stop the background loop (after a last deregistration, if one is pending)."""
@@ -679,14 +733,77 @@ async def answer_undrain(link: RouterLink | None, request: Callable[[], str | No
 # ---------------------------------------------------------------------- the daemon's link
 
 
-def link_for(cfg: Config, log: Log, metrics: RouterMetrics) -> RouterLink | None:
-    """The daemon's link, or None without router.url. Its own HTTP client: a router that hangs
-    must not hold connections the probes need."""
+def link_for(
+    cfg: Config, log: Log, metrics: RouterMetrics, http: HttpFactory | None = None
+) -> RouterLink | None:
+    """The daemon's link, or None without router.url. Its own HTTP client (`http()`, the
+    daemon's `Effects.router_http`): a router that hangs must not hold connections the probes
+    need."""
     if cfg.router.url is None:
         return None
-    sglang_url = f"http://{cfg.sglang.host}:{cfg.sglang.port}"
-    client = httpx.AsyncClient(trust_env=False)
-    return RouterLink(cfg.router, client, log, metrics, sglang_url=sglang_url)
+    client = http() if http is not None else httpx.AsyncClient(trust_env=False)
+    return RouterLink(cfg.router, client, log, metrics, sglang_url=_sglang_url(cfg))
+
+
+def _sglang_url(cfg: Config) -> str:
+    return f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+
+
+def relink(
+    link: RouterLink | None,
+    cfg: Config,
+    log: Log,
+    metrics: RouterMetrics,
+    ready: bool,
+    http: HttpFactory | None = None,
+) -> RouterLink | None:
+    """The daemon's link after a reload took `cfg`. `ready`: the machine is `ready` and stays
+    so (no restart follows), so a newly configured router gets this SGLang at once.
+
+    - the same router and worker URL: the link is kept; drain_timeout and api_key_file apply;
+    - another router.url or worker_url: the same link moves (`RouterLink.retarget`);
+    - router.url set where it was null: a new link; registered now if `ready`, else kept out
+      until the machine says ready;
+    - router.url removed: out of the old router (confirmed, bounded), then the link is closed.
+    """
+    if cfg.router.url is None:
+        if link is not None:
+            link.begin_deregister("reload: router.url removed")
+            _closing.add(task := asyncio.get_running_loop().create_task(close_link(link)))
+            task.add_done_callback(_closing.discard)
+        return None
+    if link is None:
+        fresh = link_for(cfg, log, metrics, http)
+        assert fresh is not None
+        if ready and cfg.group.role != "follower":
+            fresh.want_registered()
+        else:
+            fresh.begin_deregister("reload")
+        return fresh
+    sglang_url = _sglang_url(cfg)
+    same = (
+        same_url(link.cfg.url or "", cfg.router.url)
+        and same_url(link.cfg.worker_url, cfg.router.worker_url)
+        and same_url(link.sglang_url, sglang_url)
+    )
+    if same:
+        link.reconfigure(cfg.router)
+    else:
+        link.retarget(cfg.router, sglang_url)
+    return link
+
+
+_closing: set[asyncio.Task[None]] = set()  # links being closed after a reload removed them
+
+
+def carry_out(link: RouterLink | None, action: RouterRegister | RouterDeregister) -> None:
+    """The machine's router actions (none without router.url); both return at once."""
+    if link is None:
+        return
+    if isinstance(action, RouterRegister):
+        link.want_registered()
+    else:
+        link.begin_deregister(action.reason, action.wait_idle)
 
 
 async def close_link(link: RouterLink | None) -> None:
@@ -699,18 +816,27 @@ async def close_link(link: RouterLink | None) -> None:
         await link.client.aclose()
 
 
-def drain_ops(
-    link: RouterLink | None,
-    drain: Callable[[], str | None],
-    undrain: Callable[[], str | None],
-) -> tuple[Callable[[], Any], Callable[[], Any]]:
+class DrainHost(Protocol):
+    """What the admin drain needs of the daemon: its current link (a reload may add, move or
+    remove it) and the machine's verdict on a drain / undrain request."""
+
+    @property
+    def router(self) -> RouterLink | None: ...
+    def request_drain(self) -> str | None: ...
+    def request_undrain(self) -> str | None: ...
+
+
+def drain_ops(host: DrainHost) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """The admin endpoint's on_drain / on_undrain: 409 (admin.Refused) when the machine
     refuses, else the answer once the router work is done (drain) or started (undrain)."""
 
     async def run(answer: Any, request: Callable[[], str | None]) -> dict[str, Any]:
-        got: DrainAnswer = await answer(link, request)
+        got: DrainAnswer = await answer(host.router, request)
         if got.status != 200:
             raise admin.Refused(str(got.body.get("error")))
         return got.body
 
-    return (lambda: run(answer_drain, drain)), (lambda: run(answer_undrain, undrain))
+    return (
+        (lambda: run(answer_drain, host.request_drain)),
+        (lambda: run(answer_undrain, host.request_undrain)),
+    )

@@ -65,6 +65,7 @@ def render(doc: dict[str, Any], now: float) -> str:
             out.append(f"      peer {p.get('url')}: {seen}")
     if doc.get("reload_refused"):
         out.append(f"    Reload: REFUSED: {doc['reload_refused']}")
+    out.extend(_router_lines(doc.get("router"), now))
     restarts = doc.get("restarts") or {}
     total = sum(restarts.values())
     by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))
@@ -145,6 +146,24 @@ def render(doc: dict[str, Any], now: float) -> str:
             detail = f" - {e['detail']}" if e.get("detail") else ""
             out.append(f"  {stamp} {e.get('from')} -> {e.get('to')} ({e.get('reason')}){detail}")
     return "\n".join(out)
+
+
+def _router_lines(router: Any, now: float) -> list[str]:
+    """`/status.router` (null without router.url): where this SGLang is registered, or why not."""
+    if not isinstance(router, dict):
+        return []
+    where = f"{router.get('url')} as {router.get('worker_url')}"
+    if router.get("registered"):
+        line = f"    Router: {where}, registered (worker {router.get('worker_id')})"
+    elif router.get("wanted"):
+        line = f"    Router: {where}, NOT REGISTERED (wanted: registering, retried with backoff)"
+    else:
+        line = f"    Router: {where}, not registered (not ready)"
+    out = [line]
+    if router.get("last_error"):
+        when = _ago(router.get("last_error_at"), now)
+        out.append(f"            last error {when}: {router['last_error']}")
+    return out
 
 
 def run_status_command(

@@ -3,19 +3,32 @@ behind the real sglang-router: a manual restart of one fails no request and cuts
 
 Both servers start at once (each takes 20-60 s on two cores); the load generator sends plain
 and streaming requests through the router for the whole test.
+
+Both replicas share this host's two cores, which a fleet never does: while B's SGLang loads
+(tens of seconds at full CPU), A's 8-token liveness probe can outlast the suite's usual 5 s
+timeout. A failed probe takes A out of the router (`degraded`); with B out for its restart
+the router then has no worker and answers 503 `no_available_workers` to everything until A is
+back (docs/fleet.md, "No worker left"). That is kimi-serve working as designed, not the restart
+path this test is about, so A's liveness timeout here is the contract's default (20 s): only a
+real hang takes it out. The test also checks that A never left `ready`, and on failure prints
+the timeline of both daemons, the router's list and every failed request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import LoadGenerator
-from testkit.fleet import registered
+from testkit.fleet import ListWatch, event_time, registered
 from testkit.router import RouterProcess, router_available
 from tests.realsglang import server as real
 from tests.realsglang.conftest import LOAD_TIMEOUT, Real, daemon_config, real_daemon
@@ -24,6 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 if not router_available():
     pytest.skip("sglang-router is not installed", allow_module_level=True)
+
+LIVENESS = {"interval": "2s", "timeout": "20s", "failure_threshold": 3}
 
 
 @contextlib.contextmanager
@@ -38,6 +53,7 @@ def fleet(tmp: Path, sgl: real.SGLangEnv, router: RouterProcess) -> Iterator[tup
                 router={"url": router.url, "drain_timeout": "20s"},
                 # Two real servers loading at once on two shared cores.
                 readiness={"load_timeout": f"{2 * LOAD_TIMEOUT:g}s"},
+                liveness=LIVENESS,
             )
             pair.append(stack.enter_context(real_daemon(tmp / name, cfg)))
         yield pair[0], pair[1]
@@ -51,16 +67,52 @@ async def until_registered(r: Real, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
-# Measured once on a loaded 2-core host (two real servers, benchmarks alongside): 12 of 238
-# requests answered 503 `no_available_workers` ("all circuits open") by the router during the
-# restart, 0 streams cut. Not yet explained: kept visible, not hidden.
-@pytest.mark.xfail(reason="router 503 all-circuits-open seen during the restart", strict=False)
+def timeline(since: float, load: LoadGenerator, watch: ListWatch, reps: dict[str, Real]) -> str:
+    """What happened from 30 s before the restart on: each daemon's state changes and router
+    lines, each change of the router's list, each failed request (t relative to the restart)."""
+    rows: list[tuple[float, str, str]] = []
+    for name, r in reps.items():
+        for line in r.d.raw:
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line)
+                what = str(ev.get("event", "")) if isinstance(ev, dict) else ""
+                if what == "state" or what.startswith(("router", "sglang drained", "probe")):
+                    keep = {k: v for k, v in ev.items() if k not in ("timestamp", "level")}
+                    rows.append((event_time(ev), name, json.dumps(keep)[:240]))
+    for o in load.outcomes:
+        if o.result not in ("ok", "stream_ok"):
+            rows.append(
+                (o.started, "user", f"{o.result} after {o.ended - o.started:.2f}s: {o.error}")
+            )
+    last: frozenset[str] | None = None
+    for at, urls in watch.history:
+        if urls != last:
+            rows.append((at, "list", " ".join(sorted(urls)) or "(empty)"))
+            last = urls
+    return "\n".join(
+        f"{at - since:8.2f} {who:4} {what}" for at, who, what in sorted(rows) if at >= since - 30
+    )
+
+
+def liveness_latencies(r: Real) -> dict[str, float]:
+    """A's liveness probes by duration (kimi_serve_probe_duration_seconds, cumulative)."""
+    text = httpx.get(r.d.admin + "/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_bucket") and s.labels.get("kind") == "liveness":
+                key = f"{s.labels.get('outcome')} <= {s.labels['le']}s"
+                out[key] = out.get(key, 0.0) + s.value
+    return {k: v for k, v in out.items() if v}
+
+
 async def test_manual_restart_behind_the_router_fails_nothing(
     sgl: real.SGLangEnv, tmp_path: Path
 ) -> None:
     router = RouterProcess(["--policy", "round_robin"]).start()
+    watch = ListWatch(router.url, interval=0.1)
     try:
-        with fleet(tmp_path, sgl, router) as (a, b):
+        with watch, fleet(tmp_path, sgl, router) as (a, b):
             await asyncio.gather(
                 until_registered(a, 2 * LOAD_TIMEOUT), until_registered(b, 2 * LOAD_TIMEOUT)
             )
@@ -76,10 +128,15 @@ async def test_manual_restart_behind_the_router_fails_nothing(
                 await load.wait_for(len(load.outcomes) + 6, timeout=120)
             finally:
                 stats = await load.stop()
+            story = timeline(since, load, watch, {"a": a, "b": b})
+            a_states = a.d.states()
+            latencies = liveness_latencies(a)
         during = load.stats(since=since)
         print(f"\n[realsglang] fleet restart: {stats.to_dict()} during: {during.to_dict()}")
-        assert during.sent > 0 and stats.streams > 0, stats.to_dict()
-        assert stats.failed == 0 and stats.streams_cut == 0, stats.to_dict()
-        print(f"\n[realsglang] fleet restart: {stats.to_dict()}")
+        print(f"[realsglang] A's liveness probes (cumulative): {latencies}")
+        context: dict[str, Any] = {"stats": stats.to_dict(), "router log": router.log_tail(30)}
+        assert during.sent > 0 and stats.streams > 0, context
+        assert a_states[-1] == "ready" and "degraded" not in a_states, (a_states, story)
+        assert stats.failed == 0 and stats.streams_cut == 0, (context, story)
     finally:
         router.cleanup()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from supervisor import config as config_mod
+from supervisor import router
 from supervisor.daemon import Daemon
 from supervisor.effects import Effects
 from supervisor.identity import RecordStore, owner_marker
@@ -22,6 +24,7 @@ from supervisor.machine import (
     State,
     StopRequested,
     Transitioned,
+    Verdict,
 )
 from supervisor.notify import Notifier
 from supervisor.process import ProcessOwner
@@ -139,3 +142,33 @@ async def test_a_pending_traceback_of_another_launch_is_not_settled_by_a_death(
     daemon.dispatch(ChildGone(3, None, None))
     assert seen == [ChildGone(3, None, None)] and daemon.pump.scanner.pending
     await daemon.fx.http.aclose()
+
+
+async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Path) -> None:
+    """Effects.router_http makes each router link's client: at start, and for a link a reload
+    adds (router.url set where it was null)."""
+    path = tmp_path / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(base_config(tmp_path, router={"url": "http://127.0.0.1:9"})))
+    cfg = config_mod.load(str(path))
+    made: list[httpx.AsyncClient] = []
+
+    def router_http() -> httpx.AsyncClient:
+        made.append(httpx.AsyncClient(trust_env=False))
+        return made[-1]
+
+    fx = Effects(
+        owner=ProcessOwner(owner_marker(cfg.state_dir)),
+        store=RecordStore(cfg.state_dir),
+        http=httpx.AsyncClient(trust_env=False),
+        router_http=router_http,
+    )
+    d = Daemon(cfg, fx)
+    assert d.router is not None and d.router.client is made[0]
+    without = config_mod.load(str(path))
+    d._take(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
+    assert d.router is None and d.observed.router is None
+    d._take(cfg, Verdict.UNCHANGED)
+    assert d.router is not None and d.router.client is made[1] and len(made) == 2
+    for link in (d.launcher.router, d.router):
+        await router.close_link(link)
+    await fx.http.aclose()

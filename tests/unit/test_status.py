@@ -106,3 +106,43 @@ def test_render_counts_the_leftovers_of_the_last_cleaning() -> None:
     )
     quiet = status.render({**DOC, "leftovers": {"killed": {}, "processes": []}}, NOW)
     assert "Leftovers" not in quiet
+
+
+ROUTER = {
+    "url": "http://10.0.0.5:30080",
+    "worker_url": "http://10.0.0.7:30000",
+    "registered": True,
+    "worker_id": "0c1d",
+    "wanted": True,
+    "last_error": None,
+    "last_error_at": None,
+    "last_ok_at": NOW - 2,
+    "last_drain": None,
+}
+
+
+def test_render_shows_the_router_registration() -> None:
+    text = status.render({**DOC, "router": ROUTER}, NOW)
+    assert (
+        "    Router: http://10.0.0.5:30080 as http://10.0.0.7:30000, registered (worker 0c1d)"
+        in text.splitlines()
+    )
+    assert "last error" not in text
+    failing = {
+        **ROUTER,
+        "registered": False,
+        "worker_id": None,
+        "last_error": "register: POST http://10.0.0.5:30080/workers: cannot connect (refused)",
+        "last_error_at": NOW - 12,
+    }
+    lines = status.render({**DOC, "router": failing}, NOW).splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("    Router: "))
+    assert "NOT REGISTERED (wanted" in lines[i]
+    assert lines[i + 1] == (
+        "            last error 12 s ago: register: POST http://10.0.0.5:30080/workers: "
+        "cannot connect (refused)"
+    )
+    out = status.render({**DOC, "router": {**ROUTER, "registered": False, "wanted": False}}, NOW)
+    assert "not registered (not ready)" in out
+    assert "Router:" not in status.render({**DOC, "router": None}, NOW)
+    assert "Router:" not in status.render(DOC, NOW)
