@@ -464,6 +464,8 @@ class Daemon:
         return self.clock() - self._beat < LOOP_STALE_S
 
     def is_ready(self) -> bool:
+        if (child := self.launcher.child) is not None and child.dying:
+            return False  # a worker died: the launch's end is being reported
         if self.group is not None:
             return self.group.ready()
         return self.machine.state in SERVING

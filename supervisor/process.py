@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from supervisor import signals
+from supervisor import log, signals
 from supervisor.identity import (
     OWNER_ENV,
     ProcessIdentity,
@@ -75,6 +75,11 @@ _WORKER_MARKS = ("multiprocessing.spawn", "multiprocessing.resource_tracker", "s
 
 
 SPAWN_TITLE = "multiprocessing.spawn child"  # a worker before setproctitle ran in it
+
+# SGLang's main process ends its workers before it exits (`kill_process_tree`,
+# sglang/srt/utils/common.py): a worker's death is then seen a moment before the main exit
+# that explains it. The report waits this long for the main process; readiness does not.
+MAIN_SETTLE_S = 0.2
 
 
 def worker_title(cmdline: list[str]) -> str | None:
@@ -132,8 +137,11 @@ class Child:
     # reported through on_exit. A worker's death while we stop the launch does not count.
     exit: ExitInfo | None = None
     main_exit: ExitInfo | None = None
-    # Workers watched by a pidfd: identity -> title.
+    # Workers watched by a pidfd: identity -> title, and -> the pid of its parent.
     watched: dict[ProcessIdentity, str] = field(default_factory=dict)
+    parents: dict[ProcessIdentity, int] = field(default_factory=dict)
+    # A worker died: readiness ends now, the report waits MAIN_SETTLE_S for the main process.
+    dying: bool = False
     stopping: bool = False
     _open_pipes: int = 2
 
@@ -143,7 +151,7 @@ class Child:
 
     def alive(self) -> bool:
         """Every watched process of the launch is still there."""
-        return self.exit is None
+        return self.exit is None and not self.dying
 
     def main_alive(self) -> bool:
         return not self.exited.is_set()
@@ -362,7 +370,7 @@ class ProcessOwner:
         fds.add(pidfd)
 
     def _worker_died(self, child: Child, ident: ProcessIdentity, title: str) -> None:
-        if child.stopping or child.exit is not None:
+        if child.stopping or child.exit is not None or child.dying:
             return  # we are stopping it, or its end is already reported
         code, sig = exit_status_of_zombie(ident.pid)
         # PR_SET_PDEATHSIG: when the main process dies its workers are killed by the kernel,
@@ -372,7 +380,29 @@ class ProcessOwner:
                 self._reaped(child)
             return
         title = child.watched.get(ident, title)  # as refresh_tree last named it
-        self._launch_ended(child, ExitInfo(code, sig, process=f"{title} (pid {ident.pid})"))
+        parent = child.parents.get(ident)
+        if parent is not None and parent != child.pid and sig is None and code in (0, None):
+            # A child of a worker, not of SGLang's main process, that ended with status 0 or
+            # was reaped at once by the worker that waited for it: a helper (`ldconfig -p`,
+            # `lscpu`, caught between fork and exec with its parent's command line), not a
+            # worker. A hang this leaves behind is the liveness probe's to find.
+            log.get().info(
+                "an SGLang helper process ended: not a death of the launch",
+                process=f"{title} (pid {ident.pid})",
+                exit_code=code,
+                parent=parent,
+            )
+            return
+        child.dying = True
+        info = ExitInfo(code, sig, process=f"{title} (pid {ident.pid})")
+        asyncio.get_running_loop().create_task(self._settle(child, info))
+
+    async def _settle(self, child: Child, info: ExitInfo) -> None:
+        """Report a worker's death unless the main process's own exit follows at once."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(MAIN_SETTLE_S):
+                await child.exited.wait()
+        self._launch_ended(child, info)  # a no-op if the main process's exit came first
 
     def refresh_tree(self, child: Child) -> bool:
         """Record descendants seen now, and watch SGLang's workers among them.
@@ -390,9 +420,10 @@ class ProcessOwner:
                 child.watched[ident] = _title_of(ident) or seen
         if child.exit is None:
             for ident in sorted(new):
-                title = _title_of(ident)
-                if title is not None:
-                    self._watch_worker(child, ident, title)
+                found = _worker_of(ident)
+                if found is not None:
+                    child.parents[ident] = found[1]
+                    self._watch_worker(child, ident, found[0])
         return bool(new)
 
     def leftovers(self, recorded: Iterable[ProcessIdentity]) -> set[ProcessIdentity]:
@@ -497,6 +528,29 @@ async def _first(*events: asyncio.Event) -> None:
             w.cancel()
 
 
+def _worker_of(ident: ProcessIdentity) -> tuple[str, int] | None:
+    """(title, parent pid) of one of SGLang's workers; None for anything else.
+
+    A fork that has not exec'd carries its parent's command line (`sglang::scheduler`, or
+    the spawn line before setproctitle ran): a helper of that worker, never one SGLang
+    spawned (multiprocessing's spawn context starts every worker as a new program).
+    """
+    proc = live_process(ident)
+    if proc is None:
+        return None
+    try:
+        cmdline = proc.cmdline()
+        parent = proc.parent()
+        title = worker_title(cmdline)
+        if title is None or parent is None:
+            return None
+        if cmdline == parent.cmdline():
+            return None
+        return title, parent.pid
+    except (psutil.Error, OSError):
+        return None
+
+
 def _title_of(ident: ProcessIdentity) -> str | None:
     proc = live_process(ident)
     if proc is None:
@@ -505,5 +559,3 @@ def _title_of(ident: ProcessIdentity) -> str | None:
         return worker_title(proc.cmdline())
     except (psutil.Error, OSError):
         return None
-
-

@@ -33,14 +33,22 @@ SERVER = textwrap.dedent(
     """
     import ctypes, multiprocessing as mp, os, signal, subprocess, sys, time
 
-    def work():
+    def work(helper):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, as SGLang's workers
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         print("handler", flush=True)
+        if helper:
+            # A helper of the worker's own whose command line looks like a spawn child's (a
+            # daemonic worker may not use multiprocessing itself): it does its work and ends
+            # with 0 while the worker waits for it.
+            code = "import time; time.sleep(1.0)  # multiprocessing.spawn"
+            h = subprocess.Popen([sys.executable, "-c", code])
+            print("helper", h.pid, flush=True)
+            print("helper-done", h.wait(), flush=True)
         time.sleep(600)
 
     if __name__ == "__main__":
-        p = mp.get_context("spawn").Process(target=work, daemon=True)
+        p = mp.get_context("spawn").Process(target=work, args=("helper" in sys.argv,), daemon=True)
         p.start()
         if "escapee" in sys.argv:
             # A member whose environment carries no marker (as after setproctitle).
@@ -136,6 +144,33 @@ async def test_a_worker_that_exits_reports_its_exit_code(tmp_path: Path) -> None
     assert (ended.exit.exit_code, ended.exit.signal) == (0, None)
     await o.owner.stop(child, graceful=False, drain_timeout=0)
     assert not o.owner.survivors(child)
+
+
+async def test_a_workers_own_helper_ending_with_0_is_not_a_death(tmp_path: Path) -> None:
+    o = Owner(tmp_path)
+    child = await o.start("helper")
+    await until(lambda: any(ln.startswith("helper ") for ln in o.lines))
+    helper = int(next(ln for ln in o.lines if ln.startswith("helper ")).split()[1])
+    # Seen (and watched, its command line is a spawn child's) while it runs.
+    await until(lambda: o._refresh(child, "spawn") and helper in {i.pid for i in child.watched})
+    await until(lambda: "helper-done 0" in o.lines)
+    worker = worker_of(child)
+    # Its end was judged: the pidfd callback ran (the watch of a dead pid is closed).
+    await until(
+        lambda: not psutil.pid_exists(helper) or live_process(_ident(child, helper)) is None
+    )
+    for _ in range(5):
+        await asyncio.sleep(0)  # let the loop run the pidfd callback it has pending
+    assert child.exit is None and not child.dying and o.ended == []
+    # The worker itself still ends the launch when it dies.
+    os.kill(worker.pid, signal.SIGKILL)
+    ended = await o.ended_within(DEADLINE)
+    assert ended.exit is not None and ended.exit.process.endswith(f"(pid {worker.pid})")
+    await o.owner.stop(child, graceful=False, drain_timeout=0)
+
+
+def _ident(child: Child, pid: int) -> ProcessIdentity:
+    return next(i for i in child.watched if i.pid == pid)
 
 
 async def test_the_resource_tracker_is_part_of_the_launch(tmp_path: Path) -> None:
