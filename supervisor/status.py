@@ -172,15 +172,19 @@ def run_status_command(
     """GET /status; with `token` the whole document, without it the daemon leaves out what
     SGLang printed (the log tail, messages quoting it)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = base.rstrip("/") + "/status"
     try:
-        r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False, headers=headers)
-        if r.status_code == 401:
+        r = httpx.get(url, timeout=5.0, trust_env=False, headers=headers)
+        if r.status_code == 401 and headers:
+            # The daemon answered, so it is reachable: the state is still worth reporting.
+            # Without the token /status is whole but for what SGLang printed.
             print(
                 f"kimi-serve status: the daemon at {base} refused the admin token "
-                "(was the token file replaced? the daemon reads it again on the next request)",
+                "(was the token file replaced? the daemon reads it again on the next request); "
+                "showing /status without it, SGLang's text left out",
                 file=err,
             )
-            return EX_UNREACHABLE
+            r = httpx.get(url, timeout=5.0, trust_env=False)
         r.raise_for_status()
         doc = r.json()
         if not isinstance(doc, dict):
