@@ -27,7 +27,7 @@ from supervisor.metrics import Metrics
 from supervisor.nvml import Nvml
 from supervisor.probe import ProbeResult
 from supervisor.process import Child
-from supervisor.router import RouterLink
+from supervisor.router import RouterLink, unlinked_status
 
 if TYPE_CHECKING:
     from supervisor.incidents import Written
@@ -306,7 +306,7 @@ class Observed:
             "leftovers": gpu.leftover_status(self.sweep_report, self.clean_report),
             "intent": self.intent,
             "events": list(self.events),
-            "router": None if self.router is None else self.router.status(),
+            "router": unlinked_status() if self.router is None else self.router.status(),
             "reload_refused": self.reload_refused,
             **({} if self.group is None else {"group": self.group.status()}),
         }

@@ -149,8 +149,9 @@ def render(doc: dict[str, Any], now: float) -> str:
 
 
 def _router_lines(router: Any, now: float) -> list[str]:
-    """`/status.router` (null without router.url): where this SGLang is registered, or why not."""
-    if not isinstance(router, dict):
+    """`/status.router`: where this SGLang is registered, or why not; nothing without
+    router.url (`url` null; older daemons sent null for the whole object)."""
+    if not isinstance(router, dict) or not router.get("url"):
         return []
     where = f"{router.get('url')} as {router.get('worker_url')}"
     if router.get("registered"):

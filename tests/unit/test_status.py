@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor import admin, config, status
+from supervisor import admin, config, router, status
 from supervisor.metrics import Metrics
 from testkit import free_port
 
@@ -147,6 +147,7 @@ def test_render_shows_the_router_registration() -> None:
     out = status.render({**DOC, "router": {**ROUTER, "registered": False, "wanted": False}}, NOW)
     assert "not registered (not ready)" in out
     assert "Router:" not in status.render({**DOC, "router": None}, NOW)
+    assert "Router:" not in status.render({**DOC, "router": router.unlinked_status()}, NOW)
     assert "Router:" not in status.render(DOC, NOW)
 
 
