@@ -144,6 +144,10 @@ def render(doc: dict[str, Any], now: float) -> str:
         for e in events[-8:]:
             stamp = time.strftime("%H:%M:%S", time.localtime(float(e.get("at", 0))))
             detail = f" - {e['detail']}" if e.get("detail") else ""
+            count = e.get("count")
+            if isinstance(count, int) and count > 1:
+                last = time.strftime("%H:%M:%S", time.localtime(float(e.get("last_at") or 0)))
+                detail += f" (x{count}, last {last})"
             out.append(f"  {stamp} {e.get('from')} -> {e.get('to')} ({e.get('reason')}){detail}")
     return "\n".join(out)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,24 @@ async def test_a_rejected_token_falls_back_to_the_open_status(
         assert "EAGLEWorkerV2" in out and "line 39" in out
     finally:
         await served.stop()
+
+
+def test_render_shows_how_often_an_event_repeated() -> None:
+    events = [
+        {"at": NOW - 60, "from": "starting", "to": "cleaning", "reason": "started", "count": 1},
+        {
+            "at": NOW - 59,
+            "from": "cleaning",
+            "to": "cleaning",
+            "reason": "host_not_ready",
+            "detail": "sglang.port 30000 is in use",
+            "count": 118,
+            "last_at": NOW,
+        },
+    ]
+    lines = status.render({**DOC, "events": events}, NOW).splitlines()
+    last = time.strftime("%H:%M:%S", time.localtime(NOW))
+    assert lines[-1].endswith(
+        f"cleaning -> cleaning (host_not_ready) - sglang.port 30000 is in use (x118, last {last})"
+    )
+    assert lines[-2].endswith("starting -> cleaning (started)")
