@@ -321,6 +321,13 @@ class _Stdout(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    # What the log's setup asks of its stream (colours on a terminal, the journal's prefix).
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
     def write(self, s: str) -> int:
         try:
             return self._stream.write(s)

@@ -309,3 +309,25 @@ def test_status_into_a_closed_pipe_exits_by_the_state_quietly(
 def test_check_into_a_closed_pipe_exits_0_quietly() -> None:
     done = closed_stdout_run("check", "--config", str(PRODUCTION))
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_stdout_a_command_gets_is_still_the_terminal_or_the_journal() -> None:
+    """Wrapped against a closed pipe, but what the log's setup asks of stdout is unchanged."""
+    read, write = os.pipe()
+    try:
+        with os.fdopen(write, "w", closefd=False) as stream:
+            wrapped = cli._Stdout(stream)
+            assert wrapped.fileno() == write and wrapped.isatty() is False
+            wrapped.write("line\n")
+            wrapped.flush()
+        assert os.read(read, 100) == b"line\n"
+    finally:
+        os.close(read)
+        os.close(write)
+    controller, terminal = os.openpty()
+    try:
+        with os.fdopen(terminal, "w", closefd=False) as stream:
+            assert cli._Stdout(stream).isatty() is True  # the demo's log keeps its colours
+    finally:
+        os.close(controller)
+        os.close(terminal)
