@@ -1030,12 +1030,10 @@ def _cross_checks(r: _Reader, cfg: Config) -> None:
     def parsed(*keys: str) -> bool:
         return not any(_affects(i, k) for i in issues for k in keys)
 
-    fb = cfg.restart.fallback_profile
+    fb = cfg.restart.fallback_profile if parsed("restart.fallback_profile") else None
     # The profile names are known unless the profiles section, or that profile's name, was bad.
     names_known = not any(i in ("", "profiles", f"profiles.{fb}") for i in issues)
-    if not (parsed("restart.fallback_profile") and names_known):
-        fb = None
-    if fb is not None and fb != PRIMARY and fb not in cfg.profiles:
+    if fb is not None and fb != PRIMARY and names_known and fb not in cfg.profiles:
         names = ", ".join(cfg.profiles) or "none defined"
         r.error(
             "restart.fallback_profile",
