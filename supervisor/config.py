@@ -1011,9 +1011,29 @@ def default_state_dir() -> str:
     return env.split(":")[0] if env else "/var/lib/kimi-serve"
 
 
+def _affects(issue: str, key: str) -> bool:
+    """Whether an issue at path `issue` leaves `key` unread: the key itself, a part of it, or
+    a section around it (the top level included)."""
+    return (
+        not issue
+        or issue == key
+        or issue.startswith((f"{key}.", f"{key}["))
+        or key.startswith(f"{issue}.")
+    )
+
+
 def _cross_checks(r: _Reader, cfg: Config) -> None:
-    fb = cfg.restart.fallback_profile
-    if fb is not None and fb != PRIMARY and fb not in cfg.profiles:
+    """Checks across keys, each made only when every key it reads parsed: a key that did not
+    parse reads None or its default here, which would give a wrong error, a crash, or none."""
+    issues = [i.path for i in r.issues]
+
+    def parsed(*keys: str) -> bool:
+        return not any(_affects(i, k) for i in issues for k in keys)
+
+    fb = cfg.restart.fallback_profile if parsed("restart.fallback_profile") else None
+    # The profile names are known unless the profiles section, or that profile's name, was bad.
+    names_known = not any(i in ("", "profiles", f"profiles.{fb}") for i in issues)
+    if fb is not None and fb != PRIMARY and names_known and fb not in cfg.profiles:
         names = ", ".join(cfg.profiles) or "none defined"
         r.error(
             "restart.fallback_profile",
@@ -1021,20 +1041,28 @@ def _cross_checks(r: _Reader, cfg: Config) -> None:
         )
     if fb == PRIMARY:
         r.error("restart.fallback_profile", "the fallback cannot be 'primary' itself")
-    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
+    backoff = parsed("restart.backoff_max", "restart.backoff_initial")
+    if backoff and cfg.restart.backoff_max < cfg.restart.backoff_initial:
         r.error("restart.backoff_max", "must be at least restart.backoff_initial")
-    if cfg.liveness.timeout > cfg.liveness.interval * 10:
+    timing = parsed("liveness.timeout", "liveness.interval")
+    if timing and cfg.liveness.timeout > cfg.liveness.interval * 10:
         r.error("liveness.timeout", "is more than ten liveness intervals; shorten it")
-    if (cfg.admin.host, cfg.admin.port) == (cfg.sglang.host, cfg.sglang.port):
+    listen = parsed("admin.listen")
+    if (
+        listen
+        and parsed("sglang.host", "sglang.port")
+        and (cfg.admin.host, cfg.admin.port) == (cfg.sglang.host, cfg.sglang.port)
+    ):
         r.error("admin.listen", "uses the same address as SGLang's sglang.host:sglang.port")
-    if not is_loopback(cfg.admin.host) and not cfg.admin.allow_remote:
+    remote = parsed("admin.allow_remote")
+    if listen and remote and not is_loopback(cfg.admin.host) and not cfg.admin.allow_remote:
         r.error(
             "admin.listen",
             f"{cfg.admin.listen} is not a loopback address: anyone who can reach it may try "
             "the token of the restart and drain endpoints; put a TLS proxy in front and set "
             "admin.allow_remote: true to serve it beyond this host (docs/security.md)",
         )
-    if isinstance(cfg.gpus.devices, tuple):
+    if isinstance(cfg.gpus.devices, tuple) and parsed("gpus.devices", "sglang.args", "profiles"):
         for name in (PRIMARY, *cfg.profiles):
             own = cfg.sglang.args if name == PRIMARY else cfg.profiles[name].args
             flag = next((a for a in TP_ARGS if a in own), None)
@@ -1149,8 +1177,7 @@ def parse(text: str, file: str) -> Config:
         # Unset: a profile named `fallback` is the fallback (the contract's example); without
         # one a crash loop ends in `failed`. An explicit null always means `failed`.
         cfg = replace(cfg, restart=replace(cfg.restart, fallback_profile="fallback"))
-    if not r.issues:
-        _cross_checks(r, cfg)
+    _cross_checks(r, cfg)
     if r.issues:
         raise ConfigError(file, r.issues)
     return cfg

@@ -61,6 +61,13 @@ logging: {{format: console, level: info}}
 """
 
 
+def _console_script() -> str:
+    """The `kimi-serve` the demo runs as, so the banner's commands work pasted as printed
+    (scripts/demo installs it in ./.venv, which need not be on PATH)."""
+    beside = Path(sys.executable).with_name("kimi-serve")
+    return str(beside) if beside.exists() else "kimi-serve"
+
+
 def _free_port(preferred: int) -> int:
     for port in (preferred, 0):
         with socket.socket() as s:
@@ -124,12 +131,15 @@ def run_demo(
         path = write_config(workdir, fault, load_seconds)
         cfg = config_mod.load(str(path))
         admin = f"http://{cfg.admin.listen}"
+        me = _console_script()
         print(
             f"""
 kimi-serve demo: the real supervisor, with a stand-in playing SGLang (no GPU needed).
   config:   {path}
-  status:   kimi-serve status --config {path}   (or, without the token: curl {admin}/status)
-  restart:  kimi-serve restart --config {path}  (the token is {cfg.admin.token_file})
+  status:   {me} status --config {path}
+            (with the admin token the config names: SGLang's traceback included;
+            without it, `status --url {admin}` or curl {admin}/status, left out)
+  restart:  {me} restart --config {path}  (the token is {cfg.admin.token_file})
   ready?    curl -i {admin}/readyz
   metrics:  curl {admin}/metrics
   SGLang:   http://127.0.0.1:{cfg.sglang.port} (the stand-in; try /generate)

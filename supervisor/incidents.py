@@ -356,8 +356,12 @@ class IncidentStore:
         exact = [p for p in entries if p.name == ident or str(p) == ident]
         if exact:
             return exact[0]
-        prefixed = [p for p in entries if p.name.startswith(ident)]
+        prefixed = self.matching(ident)
         return prefixed[0] if len(prefixed) == 1 else None
+
+    def matching(self, ident: str) -> list[Path]:
+        """The incidents whose id starts with `ident`, newest first."""
+        return [p for p in self.entries() if p.name.startswith(ident)]
 
 
 def _free_bytes(path: Path) -> int:
@@ -460,6 +464,16 @@ def render_show(path: Path, doc: dict[str, Any], stacks_text: str | None) -> str
 
 def run_show(store: IncidentStore, ident: str, as_json: bool, out: TextIO, err: TextIO) -> int:
     path = store.find(ident)
+    candidates = store.matching(ident) if path is None else []
+    if len(candidates) > 1:
+        print(
+            f"kimi-serve incidents show: {ident!r} is ambiguous: {len(candidates)} incidents in "
+            f"{store.dir} start with it (give more of the id):",
+            file=err,
+        )
+        for p in candidates:
+            print(f"  {p.name}", file=err)
+        return 1
     if path is None:
         print(
             f"kimi-serve incidents show: no incident {ident!r} in {store.dir} "

@@ -25,6 +25,9 @@ ROUTER_OPS = ("register", "deregister", "list", "drain")
 # The admin endpoints that need the token, so their denied series exist from the first scrape
 # (admin.py's route table is the authority; a test keeps the two in step).
 ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status")
+# The label of a refused request to a path no route has (supervisor/admin.py, _endpoint):
+# created with the others, so it reads 0 from the first scrape.
+ADMIN_OTHER_ENDPOINT = "other"
 
 PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
@@ -222,7 +225,7 @@ class Metrics:
                 self.probe_duration.labels(kind.value, outcome)
             for failure in FAILURE_REASONS:
                 self.probe_failures.labels(kind.value, failure)
-        for endpoint in ADMIN_PROTECTED_ENDPOINTS:
+        for endpoint in (*ADMIN_PROTECTED_ENDPOINTS, ADMIN_OTHER_ENDPOINT):
             self.admin_denied.labels(endpoint)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)

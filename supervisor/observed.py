@@ -27,7 +27,7 @@ from supervisor.metrics import Metrics
 from supervisor.nvml import Nvml
 from supervisor.probe import ProbeResult
 from supervisor.process import Child
-from supervisor.router import RouterLink
+from supervisor.router import RouterLink, unlinked_status
 
 if TYPE_CHECKING:
     from supervisor.incidents import Written
@@ -90,15 +90,7 @@ class Observed:
         launched_at = self.ctx.launched_at
         if t.new is State.READY and t.old is State.WARMING and launched_at is not None:
             self.metrics.last_load.set(self.clock() - launched_at)
-        self.events.append(
-            {
-                "at": now_unix,
-                "from": t.old.value,
-                "to": t.new.value,
-                "reason": t.reason,
-                "detail": t.detail,
-            }
-        )
+        self._remember(t, now_unix)
         level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
         getattr(self.log, level)(
             "state",
@@ -107,6 +99,32 @@ class Observed:
             reason=t.reason,
             detail=t.detail,
             profile=self.ctx.profile,
+        )
+
+    def _remember(self, t: Transitioned, now_unix: float) -> None:
+        """The history of /status.events. A state that re-enters itself for the same reason
+        again and again (cleaning -> cleaning while another process holds SGLang's port, every
+        retry) is one entry counting the repeats, so the history keeps the real changes."""
+        last = self.events[-1] if self.events else None
+        if (
+            t.old is t.new
+            and last is not None
+            and (last["from"], last["to"], last["reason"]) == (t.old.value, t.new.value, t.reason)
+        ):
+            last["count"] += 1
+            last["last_at"] = now_unix
+            last["detail"] = t.detail  # the newest: what is in the way now
+            return
+        self.events.append(
+            {
+                "at": now_unix,
+                "from": t.old.value,
+                "to": t.new.value,
+                "reason": t.reason,
+                "detail": t.detail,
+                "count": 1,  # how many times in a row (the last at `last_at`)
+                "last_at": now_unix,
+            }
         )
 
     def restart(self, action: RecordRestart, tail: list[str]) -> None:
@@ -306,7 +324,7 @@ class Observed:
             "leftovers": gpu.leftover_status(self.sweep_report, self.clean_report),
             "intent": self.intent,
             "events": list(self.events),
-            "router": None if self.router is None else self.router.status(),
+            "router": unlinked_status() if self.router is None else self.router.status(),
             "reload_refused": self.reload_refused,
             **({} if self.group is None else {"group": self.group.status()}),
         }

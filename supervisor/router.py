@@ -204,6 +204,12 @@ class RouterState:
         }
 
 
+def unlinked_status() -> dict[str, Any]:
+    """`/status.router` without router.url: the same keys, so a client reads one shape;
+    `url` and `worker_url` null, nothing registered."""
+    return {**RouterState(url="", worker_url="").to_status(), "url": None, "worker_url": None}
+
+
 @dataclass(frozen=True)
 class DrainResult:
     idle: bool  # SGLang had no running or queued request at the end

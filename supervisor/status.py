@@ -144,13 +144,18 @@ def render(doc: dict[str, Any], now: float) -> str:
         for e in events[-8:]:
             stamp = time.strftime("%H:%M:%S", time.localtime(float(e.get("at", 0))))
             detail = f" - {e['detail']}" if e.get("detail") else ""
+            count = e.get("count")
+            if isinstance(count, int) and count > 1:
+                last = time.strftime("%H:%M:%S", time.localtime(float(e.get("last_at") or 0)))
+                detail += f" (x{count}, last {last})"
             out.append(f"  {stamp} {e.get('from')} -> {e.get('to')} ({e.get('reason')}){detail}")
     return "\n".join(out)
 
 
 def _router_lines(router: Any, now: float) -> list[str]:
-    """`/status.router` (null without router.url): where this SGLang is registered, or why not."""
-    if not isinstance(router, dict):
+    """`/status.router`: where this SGLang is registered, or why not; nothing without
+    router.url (`url` null; older daemons sent null for the whole object)."""
+    if not isinstance(router, dict) or not router.get("url"):
         return []
     where = f"{router.get('url')} as {router.get('worker_url')}"
     if router.get("registered"):
@@ -172,15 +177,19 @@ def run_status_command(
     """GET /status; with `token` the whole document, without it the daemon leaves out what
     SGLang printed (the log tail, messages quoting it)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = base.rstrip("/") + "/status"
     try:
-        r = httpx.get(base.rstrip("/") + "/status", timeout=5.0, trust_env=False, headers=headers)
-        if r.status_code == 401:
+        r = httpx.get(url, timeout=5.0, trust_env=False, headers=headers)
+        if r.status_code == 401 and headers:
+            # The daemon answered, so it is reachable: the state is still worth reporting.
+            # Without the token /status is whole but for what SGLang printed.
             print(
                 f"kimi-serve status: the daemon at {base} refused the admin token "
-                "(was the token file replaced? the daemon reads it again on the next request)",
+                "(was the token file replaced? the daemon reads it again on the next request); "
+                "showing /status without it, SGLang's text left out",
                 file=err,
             )
-            return EX_UNREACHABLE
+            r = httpx.get(url, timeout=5.0, trust_env=False)
         r.raise_for_status()
         doc = r.json()
         if not isinstance(doc, dict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,60 @@ def test_status_names_the_last_incident() -> None:
         "Incident: /var/lib/kimi-serve/incidents/20261201T031209Z-liveness_failed-launch4" in text
     )
     assert "kimi-serve incidents show 20261201T031209Z-liveness_failed-launch4" in text
+
+
+def _exited(launch: int) -> Incident:
+    return Incident(
+        reason="exited",
+        detail="killed by signal 9",
+        launch=launch,
+        profile="primary",
+        signal=9,
+        log_tail=TRACEBACK,
+        no_stacks_reason="process_gone: SGLang had exited; a dead process has no stack",
+    )
+
+
+@pytest.fixture
+def four(tmp_path: Path) -> tuple[Path, list[str]]:
+    """Four incidents without stacks, a minute apart: their ids share the year and more."""
+    inc_dir = tmp_path / "incidents"
+    store = IncidentStore(cfg(inc_dir), clock=Clock())
+    names = [store.write(_exited(n)).path.name for n in range(1, 5)]  # type: ignore[union-attr]
+    return write_config(tmp_path, inc_dir), names
+
+
+def test_an_ambiguous_prefix_lists_the_candidates(
+    four: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, names = four
+    prefix = names[0][:4]
+    assert all(n.startswith(prefix) for n in names)
+    assert cli.main(["incidents", "show", prefix, "--config", str(config)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert f"{prefix!r} is ambiguous: 4 incidents" in lines[0]
+    assert [ln.strip() for ln in lines[1:]] == sorted(names, reverse=True)
+    # A prefix only one id has is still enough.
+    assert cli.main(["incidents", "show", names[2][:-1], "--config", str(config)]) == 0
+    assert f"Incident {names[2]}" in capsys.readouterr().out
+
+
+def test_show_into_a_closed_pipe_exits_0_quietly(four: tuple[Path, list[str]]) -> None:
+    """`kimi-serve incidents show last | head -1`, with the reader gone before the first write."""
+    config, _ = four
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [str(KIMI_SERVE), "incidents", "show", "last", "--config", str(config)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")

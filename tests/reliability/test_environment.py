@@ -85,6 +85,11 @@ def test_sglang_port_taken_waits_in_cleaning_and_launches_once_freed(tmp_path: P
                 ), waits
                 st = run.status()
                 assert st["state"] == "cleaning" and st["child"] is None
+                # The retries are one entry of the history, counting them, not one each.
+                retries = [e for e in st["events"] if e["reason"] == "host_not_ready"]
+                assert len(retries) == 1 and retries[0]["count"] >= 3, st["events"]
+                assert st["events"][-1]["reason"] == "host_not_ready"
+                assert any(e["to"] == "cleaning" and e["from"] != "cleaning" for e in st["events"])
                 assert str(port) in st["status_line"]
                 # What `systemctl status` shows names the port too.
                 assert any(str(port) in s for s in run.notify.statuses())

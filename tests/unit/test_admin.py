@@ -335,7 +335,7 @@ async def test_every_route_not_marked_open_needs_the_token_including_later_ones(
 
 async def test_the_denied_series_exist_for_every_protected_route(ep: Endpoint) -> None:
     text = (await ep.client.get("/metrics")).text
-    for endpoint in ADMIN_PROTECTED_ENDPOINTS:
+    for endpoint in (*ADMIN_PROTECTED_ENDPOINTS, "other"):
         assert f'kimi_serve_admin_denied_total{{endpoint="{endpoint}"}} 0.0' in text
     # ... and nothing is protected that the metric does not list.
     routes = {"/status", *MUTATING}

@@ -3,11 +3,14 @@ exit codes, print-command's production flags, and no traceback for bad input."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -247,3 +250,84 @@ def test_check_warns_without_spt_noenv(tmp_path: Path) -> None:
     done = kimi_serve("check", "--config", str(removed))
     assert done.returncode == 0
     assert done.stderr.count("warning:") == 1 and "profiles.fallback.env" in done.stderr
+
+
+def closed_stdout_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kimi-serve ARGS | head -0`, made deterministic: stdout is a pipe whose reader has
+    already gone, so the first write or flush meets EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("KIMI_SERVE_CONFIG", "KIMI_SERVE_DEBUG")
+    }
+    try:
+        return subprocess.run(
+            [str(KIMI_SERVE), *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd=REPO,
+        )
+    finally:
+        os.close(write)
+
+
+class _StatusHandler(http.server.BaseHTTPRequestHandler):
+    state = "ready"
+
+    def do_GET(self) -> None:
+        body = json.dumps({"state": self.state, "events": [{"at": 0, "reason": "x"}] * 50})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("state", "code"), [("ready", 0), ("warming", 3)])
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_status_into_a_closed_pipe_exits_by_the_state_quietly(
+    state: str, code: int, extra: list[str]
+) -> None:
+    handler = type("Handler", (_StatusHandler,), {"state": state})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        done = closed_stdout_run("status", "--url", url, *extra)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (done.returncode, done.stderr) == (code, "")
+
+
+def test_check_into_a_closed_pipe_exits_0_quietly() -> None:
+    done = closed_stdout_run("check", "--config", str(PRODUCTION))
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_stdout_a_command_gets_is_still_the_terminal_or_the_journal() -> None:
+    """Wrapped against a closed pipe, but what the log's setup asks of stdout is unchanged."""
+    read, write = os.pipe()
+    try:
+        with os.fdopen(write, "w", closefd=False) as stream:
+            wrapped = cli._Stdout(stream)
+            assert wrapped.fileno() == write and wrapped.isatty() is False
+            wrapped.write("line\n")
+            wrapped.flush()
+        assert os.read(read, 100) == b"line\n"
+    finally:
+        os.close(read)
+        os.close(write)
+    controller, terminal = os.openpty()
+    try:
+        with os.fdopen(terminal, "w", closefd=False) as stream:
+            assert cli._Stdout(stream).isatty() is True  # the demo's log keeps its colours
+    finally:
+        os.close(controller)
+        os.close(terminal)

@@ -176,6 +176,7 @@ CONSOLE_SUBSET = [
     "args-recursive-alias",
     "tp-size-over-devices",
     "multiple-errors",
+    "cross-checks-beside-other-errors",
 ]
 
 

@@ -167,8 +167,51 @@ async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Pat
     without = config_mod.load(str(path))
     d._take(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
     assert d.router is None and d.observed.router is None
+    # /status.router keeps its shape without a router: url null, nothing registered.
+    shown = d.observed.status_document()["router"]
+    assert {k: shown[k] for k in ("url", "worker_url", "registered", "worker_id")} == {
+        "url": None,
+        "worker_url": None,
+        "registered": False,
+        "worker_id": None,
+    }
+    assert shown["last_error"] is None
     d._take(cfg, Verdict.UNCHANGED)
     assert d.router is not None and d.router.client is made[1] and len(made) == 2
     for link in (d.launcher.router, d.router):
         await router.close_link(link)
     await fx.http.aclose()
+
+
+async def test_a_repeated_self_transition_is_one_event_counting_the_repeats(
+    daemon: Daemon,
+) -> None:
+    """Another process holding SGLang's port: cleaning -> cleaning (host_not_ready) at every
+    retry. The history keeps one entry for the run of them, and the changes around it."""
+    times = iter(float(1_700_000_000 + n) for n in range(1000))
+    daemon.observed.wall = lambda: next(times)
+    daemon._do(Transitioned(State.STARTING, State.CLEANING, "started"))
+    for n in range(200):  # more than the history holds
+        busy = f"sglang.port 30000 is in use (try {n})"
+        daemon._do(Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", busy))
+    daemon._do(Transitioned(State.CLEANING, State.LAUNCHING, "host ready"))
+    events = daemon.status_document()["events"]
+    assert [(e["from"], e["to"], e["reason"], e["count"]) for e in events] == [
+        ("starting", "cleaning", "started", 1),
+        ("cleaning", "cleaning", "host_not_ready", 200),
+        ("cleaning", "launching", "host ready", 1),
+    ]
+    repeated = events[1]
+    assert repeated["at"] == 1_700_000_001.0 and repeated["last_at"] == 1_700_000_200.0
+    assert repeated["detail"].endswith("(try 199)")  # the newest reason it waits
+    # Another reason is another entry; a later run of the same one starts its own count.
+    daemon._do(Transitioned(State.LAUNCHING, State.LAUNCHING, "host_not_ready"))
+    daemon._do(Transitioned(State.LAUNCHING, State.LAUNCHING, "other"))
+    daemon._do(Transitioned(State.LAUNCHING, State.LAUNCHING, "host_not_ready"))
+    tail = daemon.status_document()["events"][-3:]
+    assert [(e["reason"], e["count"]) for e in tail] == [
+        ("host_not_ready", 1),
+        ("other", 1),
+        ("host_not_ready", 1),
+    ]
+    await daemon.fx.http.aclose()

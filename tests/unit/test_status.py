@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor import status
+from supervisor import admin, config, router, status
+from supervisor.metrics import Metrics
 from testkit import free_port
 
 NOW = 1_700_000_000.0
@@ -69,9 +72,9 @@ def test_render_says_what_on_call_needs() -> None:
     assert "line 39" in text and "line 14" not in text  # the last TAIL_SHOWN lines
 
 
-async def run(*args: Any) -> tuple[int, str, str]:
+async def run(*args: Any, token: str | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = await asyncio.to_thread(status.run_status_command, *args, out, err)
+    code = await asyncio.to_thread(status.run_status_command, *args, out, err, token)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -145,4 +148,79 @@ def test_render_shows_the_router_registration() -> None:
     out = status.render({**DOC, "router": {**ROUTER, "registered": False, "wanted": False}}, NOW)
     assert "not registered (not ready)" in out
     assert "Router:" not in status.render({**DOC, "router": None}, NOW)
+    assert "Router:" not in status.render({**DOC, "router": router.unlinked_status()}, NOW)
     assert "Router:" not in status.render(DOC, NOW)
+
+
+class _Backend:
+    """What the daemon offers the admin endpoint: a document holding SGLang's text."""
+
+    def __init__(self, tmp: Path, state: str) -> None:
+        self.cfg = config.parse(
+            f"sglang: {{model_path: /m}}\ngpus: {{manage: false}}\nstate_dir: {tmp}\n", "t.yaml"
+        )
+        self.metrics = Metrics()
+        self.state = state
+
+    def status_document(self) -> dict[str, Any]:
+        return {**DOC, "state": self.state}
+
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def loop_healthy(self) -> bool:
+        return True
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def request_restart(self) -> str | None:
+        return None
+
+
+@pytest.mark.parametrize(("state", "code"), [("ready", 0), ("warming", 3)])
+async def test_a_rejected_token_falls_back_to_the_open_status(
+    tmp_path: Path, state: str, code: int
+) -> None:
+    """The real admin endpoint with its real token file: a well-formed token it refuses (a
+    stale copy, a token of another host) still gives the state and its exit code, not 4."""
+    backend = _Backend(tmp_path, state)
+    served = await admin.open_endpoint(backend, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{served.port}"
+    try:
+        real = Path(backend.cfg.admin.token_file).read_text().strip()
+        got, out, err = await run(url, False, token="0" * len(real))
+        assert got == code, err
+        assert "refused the admin token" in err and "SGLang's text left out" in err
+        assert f"State: {state} since" in out
+        assert "EAGLEWorkerV2" not in out  # the open document: SGLang's text withheld
+        assert "shown with the admin token" in out
+        got, out, err = await run(url, True, token="0" * len(real))
+        assert got == code and json.loads(out)["state"] == state
+        # The right token: the whole document, nothing said on stderr.
+        got, out, err = await run(url, False, token=real)
+        assert (got, err) == (code, "")
+        assert "EAGLEWorkerV2" in out and "line 39" in out
+    finally:
+        await served.stop()
+
+
+def test_render_shows_how_often_an_event_repeated() -> None:
+    events = [
+        {"at": NOW - 60, "from": "starting", "to": "cleaning", "reason": "started", "count": 1},
+        {
+            "at": NOW - 59,
+            "from": "cleaning",
+            "to": "cleaning",
+            "reason": "host_not_ready",
+            "detail": "sglang.port 30000 is in use",
+            "count": 118,
+            "last_at": NOW,
+        },
+    ]
+    lines = status.render({**DOC, "events": events}, NOW).splitlines()
+    last = time.strftime("%H:%M:%S", time.localtime(NOW))
+    assert lines[-1].endswith(
+        f"cleaning -> cleaning (host_not_ready) - sglang.port 30000 is in use (x118, last {last})"
+    )
+    assert lines[-2].endswith("starting -> cleaning (started)")

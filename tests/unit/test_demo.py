@@ -1,0 +1,74 @@
+"""`kimi-serve demo --fault seed-incident` as the README tells a newcomer to run it: the real
+demo process, then the `status:` command its banner prints, pasted as printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testkit import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
+SEEDED = "AttributeError: 'EAGLEWorkerV2' object has no attribute 'spec_disable_batch_threshold'"
+
+
+def banner_command(proc: subprocess.Popen[str], label: str) -> list[str]:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip().startswith(f"{label}:"):
+            return shlex.split(line.split(":", 1)[1])
+    raise AssertionError(f"the banner has no {label}: line")
+
+
+@pytest.mark.slow
+def test_the_readme_status_command_shows_the_seeded_traceback(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "scripts/demo --fault seed-incident" in readme
+    assert "the `status:` command the demo prints" in readme
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_SERVE_CONFIG", "NOTIFY_SOCKET")}
+    proc = subprocess.Popen(
+        [str(KIMI_SERVE), "demo", "--fault", "seed-incident", "--load-seconds", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        command = banner_command(proc, "status")
+        assert command[0] == str(KIMI_SERVE) and command[1:3] == ["status", "--config"]
+
+        def restarted() -> bool:
+            done = subprocess.run(
+                [*command, "--json"], capture_output=True, text=True, env=env, timeout=30
+            )
+            return done.returncode in (0, 3) and bool(json.loads(done.stdout).get("last_restart"))
+
+        wait_until(restarted, 60, "the seeded decode's death, recorded", interval=0.2)
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
+        assert done.returncode in (0, 3), done.stderr
+        assert "Last restart: fatal_log" in done.stdout, done.stdout
+        assert SEEDED in done.stdout and "lines SGLang printed" in done.stdout
+        # Without the token (the URL alone) the state, but not what SGLang printed.
+        listen = yaml.safe_load(Path(command[3]).read_text())["admin"]["listen"]
+        bare = [str(KIMI_SERVE), "status", "--url", f"http://{listen}"]
+        done = subprocess.run(bare, capture_output=True, text=True, env=env, timeout=30)
+        assert done.returncode in (0, 3) and "State: " in done.stdout, done.stderr
+        assert "EAGLEWorkerV2" not in done.stdout and "shown with the admin token" in done.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
