@@ -13,6 +13,7 @@ import concurrent.futures
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MAX_RUNNING = 2
 # As long as the tiny model's 4096-token context allows after the prompt: minutes of decode.
 LONG = 4000
+# A generation of seconds on this CPU: it is running when the drain begins, done before it ends.
+DRAIN_TOKENS = 128
 MAIN = "main process"
 # Restart records of the death tests, read by the test of the restart's detail.
 DEATHS: dict[str, dict[str, Any]] = {}
@@ -208,6 +211,53 @@ def test_long_prefills_are_not_restarted(served: Real) -> None:
     answers = [f.result() for f in futures]
     assert all(a["meta_info"]["prompt_tokens"] > 500 for a in answers)
     assert served.d.status()["state"] == "ready"
+
+
+def _stream_generate(url: str, rid: str, tokens: int, first: threading.Event) -> float:
+    """A streamed generation: `first` is set when its first chunk arrived (so SGLang is
+    running it); returns the monotonic time its last chunk came."""
+    body = {
+        "rid": rid,
+        "text": "Tell me a story.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                first.set()
+    return time.monotonic()
+
+
+def test_drain_without_a_router_waits_for_the_running_generation(served: Real) -> None:
+    # No router.url here: nothing to deregister, but POST /drain answers only once SGLang's
+    # own /metrics show no running and no queued request (a generation of seconds here).
+    rid = f"drain-{os.getpid()}-{time.monotonic_ns()}"
+    first = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    gen = pool.submit(_stream_generate, served.sglang_url, rid, DRAIN_TOKENS, first)
+    pool.shutdown(wait=False)
+    try:
+        assert first.wait(60), "the generation never started"
+        assert not gen.done()
+        began = time.monotonic()
+        r = httpx.post(served.d.admin + "/drain", headers=served.d.auth(), timeout=120)
+        answered = time.monotonic()
+    finally:
+        httpx.post(served.sglang_url + "/abort_request", json={"rid": rid}, timeout=30)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["router"] is None and doc["drain"]["idle"] is True, doc
+    assert gen.result(timeout=60) <= answered, "drain answered while SGLang was generating"
+    assert "sglang:num_running_reqs + sglang:num_queue_reqs" in doc["waited_for"]
+    assert served.d.status()["state"] == "draining" and served.readyz() == 503
+    report("drain without a router: answered after", answered - began)
+    # SGLang kept running: undrain, and the same launch is ready again.
+    launch = served.d.status()["child"]["launch"]
+    assert served.d.post("/undrain").status_code == 200
+    served.wait_ready(30)
+    status = served.d.status()
+    assert status["child"]["launch"] == launch and status["restarts"] == {}
 
 
 # ---------------------------------------------------------------------------------- deaths
