@@ -384,7 +384,8 @@ class Daemon:
             case PortOpen():
                 self.recorder.port_open(self.clock())
             case ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
-                self.metrics.set_load_phases(self.recorder.probe_ok(self.clock()))
+                now, took = self.clock(), item.result.latency_s
+                self.metrics.set_load_phases(self.recorder.probe_ok(now, took))
 
     def _cancel_timer(self, name: TimerName) -> None:
         handle = self._timers.pop(name, None)

@@ -11,10 +11,16 @@ The markers, as SGLang 0.5.23 prints them (file:line in docs/sglang.md, "Load ma
 - `kv_cache`: last `Load weight end` to the last `Memory pool end` (older releases print
   `KV Cache is allocated`);
 - `cuda_graph`: first `Capture ... graph begin` to the last `Capture ... graph end`;
-- `warmup`: the HTTP port open (or `Uvicorn running on`) to `The server is fired up and ready
-  to roll!` (SGLang's own warm-up request runs in between);
-- `probe`: that line (or the port, if the probe passed first) to kimi-serve's first
-  successful decode probe.
+- `warmup`: the HTTP port open (or `Uvicorn running on`) to the earlier of `The server is fired
+  up and ready to roll!` and the start of kimi-serve's first successful decode probe. SGLang's
+  own warm-up (`_wait_and_warmup`: a 1 s sleep, `/model_info`, an 8-token `/generate`) runs in
+  this span; whichever of the two comes first says the server took requests, so a healthy load
+  always has this phase, even when our probe passes before SGLang's line (0.5.23 on a CPU);
+- `probe`: the end of `warmup` to that probe's success: the probe's own span when it started
+  before SGLang's line, else SGLang's line to the probe passing (our readiness lag).
+
+`warmup` and `probe` are contiguous: together they are the time from the port opening to
+decode-verified ready.
 
 Every tensor-parallel rank prints its own markers, so a phase runs from the first rank's start to
 the last rank's end. A phase whose markers a release does not print (no CUDA graphs with
@@ -56,7 +62,7 @@ class LoadTimeline:
         if "ready" in self.marks or "probe_ok" in self.marks:
             # The load is over; later lines (requests, a re-capture) are not load. The decode
             # probe can pass before SGLang's own warm-up says so (seen with 0.5.23 on a CPU:
-            # 58 s before): then that warm-up did not delay serving, and stays absent.
+            # 58 s before): then warmup already ended at the probe's start.
             return
         if "Engine startup timings" in line:
             # SGLang's own summary (entrypoints/engine.py:1118), kept beside ours.
@@ -86,9 +92,14 @@ class LoadTimeline:
         """SGLang bound its HTTP port: its warm-up request follows (http_server.py)."""
         self._first("port_open", t)
 
-    def probe_ok(self, t: float) -> None:
-        """kimi-serve's first successful readiness probe: the load is complete."""
-        self._first("probe_ok", t)
+    def probe_ok(self, t: float, latency_s: float | None = None) -> None:
+        """kimi-serve's first successful readiness probe, answered at `t` after `latency_s`
+        (its request's own span, `ProbeResult.latency_s`): the load is complete."""
+        if "probe_ok" in self.marks:
+            return
+        self.marks["probe_ok"] = t
+        if latency_s is not None:
+            self.marks["probe_start"] = t - max(0.0, latency_s)
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase, in load order; only phases whose both ends were seen."""
@@ -98,9 +109,8 @@ class LoadTimeline:
             "weights": (m.get("weights_begin"), m.get("weights_end")),
             "kv_cache": (m.get("kv_begin"), m.get("kv_end")),
             "cuda_graph": (m.get("graph_begin"), m.get("graph_end")),
-            "warmup": (m.get("port_open"), m.get("ready")),
-            # From SGLang's "ready", or from the port when the probe passed before that line.
-            "probe": (m.get("ready", m.get("port_open")), m.get("probe_ok")),
+            "warmup": (m.get("port_open"), self._warmup_end()),
+            "probe": (self._probe_start(), m.get("probe_ok")),
         }
         out: dict[str, float] = {}
         for name in PHASES:
@@ -108,6 +118,21 @@ class LoadTimeline:
             if start is not None and end is not None and end >= start:
                 out[name] = round(end - start, 3)
         return out
+
+    def _warmup_end(self) -> float | None:
+        """The earlier of SGLang's ready line and the start of the probe that passed: from
+        then on the server was taking requests. Never before the port opened (a probe is
+        started by the port opening; clocks read in different places may disagree by ms)."""
+        ends = [self.marks[k] for k in ("ready", "probe_start") if k in self.marks]
+        if not ends:
+            return None
+        end = min(ends)
+        port = self.marks.get("port_open")
+        return end if port is None else max(end, port)
+
+    def _probe_start(self) -> float | None:
+        end = self._warmup_end()
+        return end if end is not None else self.marks.get("port_open")
 
     def document(self) -> dict[str, Any]:
         """`/status.last_load`."""

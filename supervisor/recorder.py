@@ -6,7 +6,7 @@ The daemon's hooks, in the order a launch meets them (each one line in the daemo
     recorder.line(line, clock())                            # every SGLang line (log pump)
     recorder.port_open(clock())                             # PortOpen
     recorder.server_info(doc)                               # each /server_info read
-    recorder.probe_ok(clock())                              # first successful readiness probe
+    recorder.probe_ok(clock(), latency_s)                   # first successful readiness probe
     await recorder.before_kill(reason, pids, clock())       # before StopChild(graceful=False)
     recorder.record(reason, detail, exit_code, signal, tail, gpus)   # at RecordRestart
 
@@ -106,13 +106,15 @@ class IncidentRecorder:
         if self._cur is not None:
             self._cur.server_info = doc
 
-    def probe_ok(self, mono_now: float) -> dict[str, float]:
-        """The load is complete: returns its phases (for kimi_serve_load_phase_seconds)."""
+    def probe_ok(self, mono_now: float, latency_s: float | None = None) -> dict[str, float]:
+        """The load is complete: returns its phases (for kimi_serve_load_phase_seconds).
+        `latency_s`: the passing probe's own span (`ProbeResult.latency_s`), which places its
+        start, where `warmup` ends unless SGLang's ready line came first (loadphases.py)."""
         if self._cur is None:
             return {}
         if self._cur.ready_at_unix is None:
             self._cur.ready_at_unix = self._wall()
-            self._cur.timeline.probe_ok(mono_now)
+            self._cur.timeline.probe_ok(mono_now, latency_s)
             self.last_load = self._cur.timeline.document()
         return self._cur.timeline.phases()
 

@@ -27,9 +27,9 @@ import json
 import random
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor import admin
 from supervisor.config import Config, RouterConfig
 from supervisor.machine import RouterDeregister, RouterRegister
+from supervisor.probe import server_url
+
+if TYPE_CHECKING:
+    from supervisor.effects import Effects
 
 HttpFactory = Callable[[], httpx.AsyncClient]
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
@@ -226,6 +230,71 @@ class DrainResult:
             "queued": self.queued,
             "error": self.error,
         }
+
+
+async def sglang_load(
+    client: httpx.AsyncClient, sglang_url: str, timeout: float
+) -> tuple[tuple[float, float] | None, str | None]:
+    """(running, queued) from SGLang's /metrics, or why it cannot be read."""
+    url = sglang_url.rstrip("/") + "/metrics"
+    try:
+        async with asyncio.timeout(timeout):
+            r = await client.get(url, timeout=timeout)
+    except (TimeoutError, httpx.HTTPError, OSError) as exc:
+        return None, f"SGLang's /metrics did not answer ({type(exc).__name__})"
+    if r.status_code == 404:
+        return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
+    if r.status_code != 200:
+        return None, f"SGLang's /metrics answered HTTP {r.status_code}"
+    load = parse_load(r.text)
+    if load is None:
+        return None, "SGLang's /metrics is not served (no sglang:num_running_reqs in it)"
+    return load, None
+
+
+def waited_for(sglang_url: str, budget: float) -> str:
+    """What a drain waits for, in the words its answer gives the operator."""
+    return (
+        f"SGLang's running and queued requests to reach 0 (sglang:num_running_reqs + "
+        f"sglang:num_queue_reqs at {sglang_url.rstrip('/')}/metrics), at most "
+        f"router.drain_timeout {budget:g}s"
+    )
+
+
+async def wait_idle(
+    client: httpx.AsyncClient,
+    sglang_url: str,
+    budget: float,
+    *,
+    request_timeout: float = 3.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> DrainResult:
+    """Poll SGLang's /metrics until it reports no running and no queued request, at most
+    `budget` seconds (router.drain_timeout). A drain's wait, with or without a router: the
+    requests SGLang is serving end there, whoever sent them. Never raises."""
+    start = clock()
+    running: float | None = None
+    queued: float | None = None
+    error: str | None = None
+    while True:
+        load, error = await sglang_load(client, sglang_url, request_timeout)
+        if load is not None:
+            running, queued = load
+            if running + queued <= 0:
+                return DrainResult(True, clock() - start, running, queued)
+        elif error is not None and "not served" in error:
+            # No metrics: there is nothing to wait on; the stop's own drain still applies.
+            return DrainResult(False, clock() - start, None, None, error)
+        if clock() - start >= budget:
+            what = error or f"{running:g} running, {queued:g} queued"
+            return DrainResult(
+                False,
+                clock() - start,
+                running,
+                queued,
+                f"not idle after router.drain_timeout {budget:g}s ({what})",
+            )
+        await asyncio.sleep(min(0.25, max(0.0, budget - (clock() - start))))
 
 
 class RouterLink:
@@ -421,37 +490,18 @@ class RouterLink:
 
     async def drain_idle(self) -> DrainResult:
         """Wait until SGLang reports no running and no queued request (its /metrics, needs
-        --enable-metrics), at most router.drain_timeout."""
-        budget = self.cfg.drain_timeout
-        start = self.clock()
-        running: float | None = None
-        queued: float | None = None
-        error: str | None = None
-        while True:
-            load, error = await self._sglang_load()
-            if load is not None:
-                running, queued = load
-                if running + queued <= 0:
-                    result = DrainResult(True, self.clock() - start, running, queued)
-                    break
-            elif error is not None and "not served" in error:
-                # No metrics: there is nothing to wait on; the stop's own drain still applies.
-                result = DrainResult(False, self.clock() - start, None, None, error)
-                break
-            if self.clock() - start >= budget:
-                what = error or f"{running:g} running, {queued:g} queued"
-                result = DrainResult(
-                    False,
-                    self.clock() - start,
-                    running,
-                    queued,
-                    f"not idle after router.drain_timeout {budget:g}s ({what})",
-                )
-                break
-            await asyncio.sleep(min(0.25, max(0.0, budget - (self.clock() - start))))
+        --enable-metrics), at most router.drain_timeout (`wait_idle`)."""
+        result = await wait_idle(
+            self.client,
+            self.sglang_url,
+            self.cfg.drain_timeout,
+            request_timeout=self.request_timeout,
+            clock=self.clock,
+        )
         self.state.last_drain = {**result.to_status(), "at": self.wall()}
         if result.error:
-            self._fail(Failure("drain", "not_idle" if load else "metrics", result.error))
+            kind = "metrics" if result.running is None else "not_idle"
+            self._fail(Failure("drain", kind, result.error))
         else:
             self.log.info("sglang drained", waited_s=round(result.waited_s, 3))
         return result
@@ -641,22 +691,6 @@ class RouterLink:
             msg = str(exc) or type(exc).__name__
             return Failure(op, "connect", f"{method} {url}: connection lost ({msg})")
 
-    async def _sglang_load(self) -> tuple[tuple[float, float] | None, str | None]:
-        url = self.sglang_url + "/metrics"
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                r = await self.client.get(url, timeout=self.request_timeout)
-        except (TimeoutError, httpx.HTTPError, OSError) as exc:
-            return None, f"SGLang's /metrics did not answer ({type(exc).__name__})"
-        if r.status_code == 404:
-            return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
-        if r.status_code != 200:
-            return None, f"SGLang's /metrics answered HTTP {r.status_code}"
-        load = parse_load(r.text)
-        if load is None:
-            return None, "SGLang's /metrics is not served (no sglang:num_running_reqs in it)"
-        return load, None
-
     def _auth_headers(self) -> dict[str, str]:
         path = self.cfg.api_key_file
         if path is None:
@@ -706,22 +740,41 @@ class DrainAnswer:
     body: dict[str, Any]
 
 
-NO_ROUTER = "router.url is not set: only /readyz changes (503 while draining)"
+NO_ROUTER = (
+    "router.url is not set: nothing to deregister; /readyz answers 503 while draining"
+)
+
+Idle = Callable[[], Awaitable[DrainResult]]
 
 
-async def answer_drain(link: RouterLink | None, request: Callable[[], str | None]) -> DrainAnswer:
+async def answer_drain(
+    link: RouterLink | None,
+    request: Callable[[], str | None],
+    idle: Idle | None = None,
+    waiting_for: str | None = None,
+) -> DrainAnswer:
     """POST /drain. `request()` is the daemon's: it returns why the machine refuses
     (`Machine.drain_refusal()`), or feeds it DrainRequested and returns None; the machine's
-    RouterDeregister(wait_idle=True) then starts the work, which this awaits (bounded)."""
+    RouterDeregister(wait_idle=True) then starts the work, which this awaits (bounded).
+
+    Without a router there is nothing to deregister, but the wait for SGLang's running and
+    queued requests is the same (`idle()`: `wait_idle`, bounded by router.drain_timeout), so
+    the answer still means "nothing is in flight, or the budget ran out". `waiting_for` says
+    what was waited for (`waited_for()`)."""
     refused = request()
     if refused:
         return DrainAnswer(409, {"drained": False, "error": refused})
     if link is None:
-        return DrainAnswer(200, {"drained": True, "router": None, "note": NO_ROUTER})
-    result = await link.settled()
-    body: dict[str, Any] = {"drained": True, "router": link.status()}
-    if result is not None:
-        body["drain"] = result.to_status()
+        body: dict[str, Any] = {"drained": True, "router": None, "note": NO_ROUTER}
+        if idle is not None:
+            body["drain"] = (await idle()).to_status()
+    else:
+        result = await link.settled()
+        body = {"drained": True, "router": link.status()}
+        if result is not None:
+            body["drain"] = result.to_status()
+    if waiting_for is not None:
+        body["waited_for"] = waiting_for
     return DrainAnswer(200, body)
 
 
@@ -824,25 +877,50 @@ async def close_link(link: RouterLink | None) -> None:
 
 class DrainHost(Protocol):
     """What the admin drain needs of the daemon: its current link (a reload may add, move or
-    remove it) and the machine's verdict on a drain / undrain request."""
+    remove it), the machine's verdict on a drain / undrain request, and, for the wait without
+    a router, the configuration (SGLang's address, router.drain_timeout) and the HTTP client."""
 
     @property
     def router(self) -> RouterLink | None: ...
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def fx(self) -> Effects: ...
+    @property
+    def log(self) -> Log: ...
     def request_drain(self) -> str | None: ...
     def request_undrain(self) -> str | None: ...
 
 
 def drain_ops(host: DrainHost) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """The admin endpoint's on_drain / on_undrain: 409 (admin.Refused) when the machine
-    refuses, else the answer once the router work is done (drain) or started (undrain)."""
+    refuses, else the answer once the router work and the wait are done (drain) or started
+    (undrain)."""
 
-    async def run(answer: Any, request: Callable[[], str | None]) -> dict[str, Any]:
-        got: DrainAnswer = await answer(host.router, request)
+    def sglang() -> str:
+        return server_url(host.cfg.sglang.host, host.cfg.sglang.port)
+
+    async def idle() -> DrainResult:
+        result = await wait_idle(host.fx.http, sglang(), host.cfg.router.drain_timeout)
+        if result.error:
+            host.log.warning("drain: sglang not idle", error=result.error)
+        else:
+            host.log.info("sglang drained", waited_s=round(result.waited_s, 3))
+        return result
+
+    async def drain() -> dict[str, Any]:
+        link = host.router
+        budget = host.cfg.router.drain_timeout
+        url = link.sglang_url if link is not None else sglang()
+        got = await answer_drain(link, host.request_drain, idle, waited_for(url, budget))
+        return checked(got)
+
+    async def undrain() -> dict[str, Any]:
+        return checked(await answer_undrain(host.router, host.request_undrain))
+
+    def checked(got: DrainAnswer) -> dict[str, Any]:
         if got.status != 200:
             raise admin.Refused(str(got.body.get("error")))
         return got.body
 
-    return (
-        (lambda: run(answer_drain, host.request_drain)),
-        (lambda: run(answer_undrain, host.request_undrain)),
-    )
+    return drain, undrain

@@ -10,9 +10,12 @@ reloads, and last the SIGTERM drain. Figures worth keeping are printed as `[real
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +27,7 @@ from supervisor.logscan import READY_LINE
 from supervisor.probe import parse_progress
 from tests.realsglang import server as real
 from tests.realsglang.conftest import (
+    LOAD_TIMEOUT,
     PROBE_TOKENS,
     Real,
     alive,
@@ -41,6 +45,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MAX_RUNNING = 2
 # As long as the tiny model's 4096-token context allows after the prompt: minutes of decode.
 LONG = 4000
+# A generation of about a second here (up to ~20 s on a loaded host, within the default
+# router.drain_timeout of 30 s): running when the drain begins, done before it answers.
+DRAIN_TOKENS = 512
 MAIN = "main process"
 # Restart records of the death tests, read by the test of the restart's detail.
 DEATHS: dict[str, dict[str, Any]] = {}
@@ -208,6 +215,85 @@ def test_long_prefills_are_not_restarted(served: Real) -> None:
     answers = [f.result() for f in futures]
     assert all(a["meta_info"]["prompt_tokens"] > 500 for a in answers)
     assert served.d.status()["state"] == "ready"
+
+
+def _until_ready(r: Real, timeout: float = LOAD_TIMEOUT) -> None:
+    """`ready` now, whether or not an earlier test already saw it happen (run alone too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError, OSError):  # the token and the endpoint come
+            if r.d.status()["state"] == "ready":  # a moment after the daemon's start
+                return
+        assert time.monotonic() < deadline, f"not ready within {timeout:g}s"
+        time.sleep(0.2)
+
+
+def _stream_generate(url: str, rid: str, tokens: int, first: threading.Event) -> int:
+    """A streamed generation: `first` is set when its first chunk arrived (SGLang is running
+    it); returns the completion tokens its last chunk reports."""
+    body = {
+        "rid": rid,
+        "text": "Tell me a story.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                last = json.loads(line[len("data:") :])
+                first.set()
+    return int(last.get("meta_info", {}).get("completion_tokens", -1))
+
+
+def _busy(r: Real) -> float:
+    progress = parse_progress(httpx.get(r.sglang_url + "/metrics", timeout=10).text)
+    assert progress is not None and progress.running_requests is not None
+    return progress.running_requests + (progress.queued_requests or 0)
+
+
+def test_drain_without_a_router_waits_for_the_running_generation(served: Real) -> None:
+    # No router.url here: nothing to deregister, but POST /drain answers only once SGLang's
+    # own /metrics show no running and no queued request. SGLang's gauge counts the
+    # scheduler's batch: it reads 0 once the last token is made, while the stream of a
+    # 512-chunk answer may still be on its way to the client (SGLang keeps sending it).
+    _until_ready(served)
+    rid = f"drain-{os.getpid()}-{time.monotonic_ns()}"
+    first = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    gen = pool.submit(_stream_generate, served.sglang_url, rid, DRAIN_TOKENS, first)
+    pool.shutdown(wait=False)
+    try:
+        assert first.wait(60), "the generation never started"
+        deadline = time.monotonic() + 30
+        while _busy(served) < 1:  # the gauge is refreshed at SGLang's decode log interval
+            assert not gen.done() and time.monotonic() < deadline, "never seen running"
+            time.sleep(0.05)
+        began = time.monotonic()
+        r = httpx.post(served.d.admin + "/drain", headers=served.d.auth(), timeout=120)
+        answered = time.monotonic()
+    finally:
+        httpx.post(served.sglang_url + "/abort_request", json={"rid": rid}, timeout=30)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["router"] is None, doc
+    assert doc["drain"]["idle"] is True and doc["drain"]["running"] == 0, doc
+    # SGLang was busy just before: the drain's first read saw it so, and the next read comes
+    # only after a poll interval (router.wait_idle: 0.25 s); an answer without a wait is
+    # faster than that.
+    assert doc["drain"]["waited_s"] >= 0.25, doc
+    assert "sglang:num_running_reqs + sglang:num_queue_reqs" in doc["waited_for"]
+    # Not cut: every token came (the abort above found nothing left to abort).
+    assert gen.result(timeout=60) == DRAIN_TOKENS
+    assert served.d.status()["state"] == "draining" and served.readyz() == 503
+    report("drain without a router: answered after", answered - began)
+    report("drain without a router: waited on SGLang", doc["drain"]["waited_s"])
+    # SGLang kept running: undrain, and the same launch is ready again.
+    launch = served.d.status()["child"]["launch"]
+    assert served.d.post("/undrain").status_code == 200
+    served.wait_ready(30)
+    status = served.d.status()
+    assert status["child"]["launch"] == launch and status["restarts"] == {}
 
 
 # ---------------------------------------------------------------------------------- deaths

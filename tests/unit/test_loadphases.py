@@ -47,14 +47,14 @@ def test_every_phase_of_a_real_load() -> None:
     tl.port_open(469.5)  # the daemon saw the port before uvicorn's line was read
     for t, line in REAL_0_5_23[10:]:
         tl.feed(line, t)
-    tl.probe_ok(501.25)
+    tl.probe_ok(501.25, latency_s=0.5)  # SGLang said ready first: probe from its line
     assert tl.phases() == {
         "init": 12.0,
         "weights": 289.0,  # first rank's begin to the last rank's end
         "kv_cache": 40.0,
         "cuda_graph": 108.0,  # every capture, target and draft
-        "warmup": 30.5,
-        "probe": 1.25,
+        "warmup": 30.5,  # the port to SGLang's ready line
+        "probe": 1.25,  # that line to the probe passing: our readiness lag, probe included
     }
     assert list(tl.phases()) == list(PHASES)
     doc = tl.document()
@@ -124,11 +124,57 @@ REAL_CPU_RUN = [
 
 
 def test_a_real_cpu_run_where_the_probe_beat_sglangs_warmup() -> None:
+    # The probe that passed took 0.1 s, so it started 0.027 s after uvicorn's line: warmup
+    # ends there (the server took requests), and SGLang's late ready line changes nothing.
     tl = feed(REAL_CPU_RUN)
-    tl.probe_ok(36.562)
+    tl.probe_ok(36.562, latency_s=0.1)
     tl.feed("[2026-12-01 10:28:28] The server is fired up and ready to roll!", 94.163)
-    assert tl.phases() == {"init": 35.767, "weights": 0.014, "kv_cache": 0.619, "probe": 0.127}
+    assert tl.phases() == {
+        "init": 35.767,
+        "weights": 0.014,
+        "kv_cache": 0.619,
+        "warmup": 0.027,
+        "probe": 0.1,
+    }
     doc = tl.document()
-    assert doc["missing"] == ["cuda_graph", "warmup"]
+    assert doc["missing"] == ["cuda_graph"]
     assert doc["sglang_reported"]["load_weight"] == 0.01
     assert doc["sglang_reported"]["kv_cache_allocation"] == 0.54
+
+
+def test_warmup_ends_at_the_earlier_of_sglangs_line_and_the_passing_probe() -> None:
+    # Probes refused while SGLang warms up (503, connection refused) count as warmup: it ends
+    # where the probe that passed began, or at SGLang's line if that came first.
+    cases = [
+        # (ready line at, probe latency) -> (warmup, probe)
+        (None, 2.0, (8.0, 2.0)),  # no ready line before the probe passed
+        (9.0, 2.0, (8.0, 2.0)),  # the line came while the passing probe ran
+        (6.0, 2.0, (5.5, 4.5)),  # the line first: probe = readiness lag
+        (None, None, None),  # no latency known, no line: warmup cannot be placed
+    ]
+    for ready, latency, want in cases:
+        tl = LoadTimeline(0.0)
+        tl.port_open(0.5)
+        if ready is not None:
+            tl.feed("The server is fired up and ready to roll!", ready)
+        tl.probe_ok(10.5, latency_s=latency)
+        phases = tl.phases()
+        if want is None:
+            assert "warmup" not in phases and phases["probe"] == 10.0, phases
+            missing = ["init", "weights", "kv_cache", "cuda_graph", "warmup"]
+            assert tl.document()["missing"] == missing
+        else:
+            assert (phases["warmup"], phases["probe"]) == want, (ready, latency, phases)
+            # Contiguous: together they are the port opening to decode-verified ready.
+            assert phases["warmup"] + phases["probe"] == 10.0
+
+
+def test_a_probe_that_seems_to_start_before_the_port_opened_gives_warmup_0_not_absent() -> None:
+    # The probe is started by the port opening; a latency read on another clock path may put
+    # its start a hair earlier. Warmup is then 0 (it did not delay serving), never negative.
+    tl = LoadTimeline(0.0)
+    tl.port_open(5.0)
+    tl.probe_ok(5.2, latency_s=0.25)
+    assert tl.phases() == {"warmup": 0.0, "probe": 0.2}
+    tl.probe_ok(9.0, latency_s=0.0)  # a second success changes nothing: the load was over
+    assert tl.phases() == {"warmup": 0.0, "probe": 0.2}

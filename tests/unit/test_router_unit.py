@@ -1,4 +1,5 @@
-"""The router section of the config, `check`'s warnings, and router.py's pure parts."""
+"""The router section of the config, `check`'s warnings, router.py's pure parts, and the
+admin drain's answer without a router."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import pytest
 
 from supervisor import config
 from supervisor.router import (
+    DrainResult,
     Failure,
+    answer_drain,
     backoff,
     parse_added,
     parse_load,
     parse_workers,
     same_url,
+    waited_for,
 )
 
 KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
@@ -166,3 +170,33 @@ def test_an_entry_smg_is_draining_counts_as_removed() -> None:
     body = b'{"workers":[{"id":"x","url":"http://h:1","is_healthy":false,"status":"draining"}]}'
     (w,) = parse_workers(200, body, "application/json")  # type: ignore[misc]
     assert w.leaving and w.status == "draining" and w.healthy is False
+
+
+async def test_a_drain_without_a_router_waits_and_says_for_what() -> None:
+    waits: list[str] = []
+
+    async def idle() -> DrainResult:
+        waits.append("waited")
+        return DrainResult(True, 1.5, 0.0, 0.0)
+
+    what = waited_for("http://127.0.0.1:30001/", 30.0)
+    assert what == (
+        "SGLang's running and queued requests to reach 0 (sglang:num_running_reqs + "
+        "sglang:num_queue_reqs at http://127.0.0.1:30001/metrics), at most "
+        "router.drain_timeout 30s"
+    )
+    got = await answer_drain(None, lambda: None, idle, what)
+    assert got.status == 200 and waits == ["waited"]
+    assert got.body["router"] is None and "nothing to deregister" in got.body["note"]
+    assert got.body["drain"] == {
+        "idle": True,
+        "waited_s": 1.5,
+        "running": 0.0,
+        "queued": 0.0,
+        "error": None,
+    }
+    assert got.body["waited_for"] == what
+    # Refused by the machine: nothing is waited for.
+    refused = await answer_drain(None, lambda: "nothing to drain", idle, what)
+    assert refused.status == 409 and refused.body["error"] == "nothing to drain"
+    assert waits == ["waited"]
