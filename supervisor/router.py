@@ -372,12 +372,9 @@ class RouterLink:
         previous = self._pending
 
         async def run() -> DrainResult | None:
-            if previous is not None and not previous.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await previous
             # A registration in flight (POST + confirmation) must not delay the removal: cancel
             # it; whatever the router did with it shows up in the list we read next.
-            await self._stop_loop()
+            await self._after(previous)
             await self._deregister(reason)
             result = await self.drain_idle() if wait_idle else None
             self._ensure_loop()  # keep us out: a lost DELETE shows up in a later list
@@ -385,6 +382,13 @@ class RouterLink:
 
         self._pending = asyncio.get_running_loop().create_task(run())
         return self._pending
+
+    async def _after(self, previous: asyncio.Task[DrainResult | None] | None) -> None:
+        """The removal or move before this one has finished; the registration loop stopped."""
+        if previous is not None and not previous.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await previous
+        await self._stop_loop()
 
     async def settled(self, timeout: float | None = None) -> DrainResult | None:
         """Await the last deregistration (and drain). Never raises; bounded."""
@@ -424,10 +428,7 @@ class RouterLink:
         previous = self._pending
 
         async def run() -> DrainResult | None:
-            if previous is not None and not previous.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await previous
-            await self._stop_loop()
+            await self._after(previous)
             async with self._lock:
                 removed = await self._remove_all("deregister")
                 old = (self.cfg.url, self.cfg.worker_url)
