@@ -42,12 +42,20 @@ _LEVEL_WORDS = (
 )
 
 
+# The request ids of kimi-serve's own probes (probe.new_rid). SGLang logs the abort of a timed-out
+# probe as an exception ("ValueError: Request is disconnected from the client side (type 3).
+# Abort request obj.rid='kimi-serve-liveness-...'"): our doing, never the exception of a crash.
+OWN_RID_MARK = "kimi-serve-"
+
+
 def exception_line(lines: Iterable[str]) -> str | None:
-    """The last line that names an exception (a traceback's last line), if any."""
+    """The last line that names an exception (a traceback's last line), if any; not the one
+    SGLang logs for the abort of one of our own probes."""
     found = None
     for line in lines:
-        if _EXCEPTION_LINE.match(line.strip()):
-            found = line.strip()
+        text = line.strip()
+        if _EXCEPTION_LINE.match(text) and f"rid='{OWN_RID_MARK}" not in text:
+            found = text
     return found
 
 

@@ -25,6 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import ProbeConfig
+from supervisor.logscan import OWN_RID_MARK
 
 # Present in meta_info only when speculative verification ran (docs/sglang.md).
 SPEC_VERIFY_KEY = "spec_verify_ct"
@@ -103,7 +104,7 @@ def request_for(cfg: ProbeConfig, rid: str | None = None) -> tuple[str, dict[str
 
 def new_rid(kind: str = "probe") -> str:
     """A request id no client of SGLang would send: recognisable in SGLang's own logs."""
-    return f"kimi-serve-{kind}-{uuid.uuid4().hex[:16]}"
+    return f"{OWN_RID_MARK}{kind}-{uuid.uuid4().hex[:16]}"
 
 
 ABORT_TIMEOUT_S = 2.0

@@ -128,7 +128,7 @@ class IncidentRecorder:
             return None
         cur.stop_started_unix = self._wall()
         if reason not in ALIVE_REASONS:
-            cur.no_stacks_reason = f"{stacks.PROCESS_GONE}: SGLang had exited ({reason})"
+            cur.no_stacks_reason = _ended(reason)
             return None
         try:
             cap: stacks.Capture = await self._capture(pids, self.cfg.incidents.dump_timeout)
@@ -152,7 +152,7 @@ class IncidentRecorder:
         if reason in REQUESTED or cur is None:
             return None
         if cur.capture is None and cur.no_stacks_reason is None:
-            cur.no_stacks_reason = f"{stacks.PROCESS_GONE}: SGLang had exited ({reason})"
+            cur.no_stacks_reason = _ended(reason)
         timings: dict[str, Any] = {
             "launched_at": cur.launched_at_unix,
             "port_open_at": cur.port_open_at_unix,
@@ -187,3 +187,12 @@ class IncidentRecorder:
             # A load that never finished (load_timeout): where it stopped is the news.
             self.last_load = cur.timeline.document()
         return written
+
+
+def _ended(reason: str) -> str:
+    # The main process may still be alive after a worker's death (real SGLang's waits 5 s
+    # before it dies): the launch had ended, which is why no stack was taken.
+    return (
+        f"{stacks.PROCESS_GONE}: the launch had ended ({reason}: SGLang or one of its workers"
+        " died); stacks are taken of a live, hung or broken SGLang only"
+    )

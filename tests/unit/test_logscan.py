@@ -10,7 +10,16 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import DEFAULT_FATAL_PATTERNS
-from supervisor.logscan import NOTHING, READY_LINE, LineVerdict, LogScanner, Stream, guess_level
+from supervisor.logscan import (
+    NOTHING,
+    READY_LINE,
+    LineVerdict,
+    LogScanner,
+    Stream,
+    exception_line,
+    guess_level,
+)
+from supervisor.probe import new_rid
 
 SCHEDULER_EXCEPTION = DEFAULT_FATAL_PATTERNS[0]
 
@@ -390,3 +399,24 @@ def test_pending_traceback_is_visible() -> None:
     for line in INCIDENT[1:]:
         s.feed(line)
     assert not s.pending
+
+
+def test_the_abort_of_our_own_probe_is_not_the_incident_s_exception() -> None:
+    # As real SGLang 0.5.23 logs the abort of a timed-out liveness probe
+    # (managers/tokenizer_manager.py, _stream_one_response), after the crash's own traceback.
+    rid = new_rid("liveness")
+    tail = [
+        "Traceback (most recent call last):",
+        '  File "scheduler.py", line 1, in run',
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "[2026-12-01 13:20:01] ValueError: Request is disconnected from the client side "
+        f"(type 3). Abort request obj.rid='{rid}'",
+    ]
+    assert exception_line(tail) == (
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
+    # Nothing but our abort: no exception to show.
+    assert exception_line(tail[-1:]) is None
+    # A client's own request id is SGLang's business: shown.
+    other = tail[-1].replace(rid, "user-42")
+    assert exception_line([other]) == other.strip()
