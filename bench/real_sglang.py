@@ -30,19 +30,11 @@ import httpx
 import psutil
 import yaml
 
+from supervisor.logscan import READY_LINE
 from testkit import DaemonProcess, free_port
+from testkit.sglang_cpu import CPU_ARGS
 
 REPO = Path(__file__).resolve().parents[1]
-READY_LINE = "The server is fired up and ready to roll!"  # http_server.py:2600 (0.5.23)
-CPU_ARGS: dict[str, Any] = {
-    "device": "cpu",
-    "attention-backend": "torch_native",
-    "disable-cuda-graph": True,
-    "max-total-tokens": 16384,
-    "sleep-on-idle": True,
-    "enable-metrics": True,
-    "tp-size": 1,
-}
 
 
 def sglang_env() -> tuple[str, str]:

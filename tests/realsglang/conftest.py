@@ -25,18 +25,9 @@ import yaml
 
 import testkit
 from testkit.daemon import _merge
+from testkit.sglang_cpu import CPU_ARGS
 from tests.realsglang import server as real
 
-# SGLang's serving flags on a CPU (server.SERVER_FLAGS) as config args.
-CPU_ARGS: dict[str, Any] = {
-    "device": "cpu",
-    "attention-backend": "torch_native",
-    "disable-cuda-graph": True,
-    "max-total-tokens": 16384,
-    "sleep-on-idle": True,
-    "enable-metrics": True,
-    "tp-size": 1,
-}
 PROBE_TOKENS = 8
 LOAD_TIMEOUT = 240.0  # launch -> ready on a busy 2-core machine took up to 80 s
 

@@ -26,25 +26,15 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.logscan import READY_LINE
+from testkit.sglang_cpu import CPU_FLAGS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUB_DIR = REPO_ROOT / "tools" / "sglang-env.d"
 FAULT_HOOK_DIR = Path(__file__).resolve().parent / "faulthook"
-READY_LINE = "The server is fired up and ready to roll!"
 BUILD_TIMEOUT = 1200.0  # a fresh machine installs ~6 GB; a built environment answers at once
 START_TIMEOUT = 180.0
-SERVER_FLAGS = (
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--disable-cuda-graph",
-    "--max-total-tokens",
-    "16384",
-    "--sleep-on-idle",
-    "--enable-metrics",
-    "--tp-size",
-    "1",
-)
+SERVER_FLAGS = CPU_FLAGS
 
 
 @dataclasses.dataclass(frozen=True)
