@@ -741,9 +741,7 @@ class DrainAnswer:
     body: dict[str, Any]
 
 
-NO_ROUTER = (
-    "router.url is not set: nothing to deregister; /readyz answers 503 while draining"
-)
+NO_ROUTER = "router.url is not set: nothing to deregister; /readyz answers 503 while draining"
 
 Idle = Callable[[], Awaitable[DrainResult]]
 

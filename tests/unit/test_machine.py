@@ -1959,6 +1959,8 @@ def test_a_settled_traceback_of_an_earlier_launch_is_dropped() -> None:
     d.bring_up()
     assert d.send(FatalLog(old, SCHEDULER_EXCEPTION)) == []
     d.expect(State.READY)
+
+
 # ------------------------------------------------------------------ restart.mode: exit
 
 EXIT_CFG = make_cfg(mode="exit")
