@@ -43,8 +43,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # --max-running-requests 2: six long generations saturate it (two run, four queue).
 MAX_RUNNING = 2
-# As long as the tiny model's 4096-token context allows after the prompt: minutes of decode.
-LONG = 4000
+# The tiny model's own 4096-token context is not enough: two 4000-token generations finished
+# here in 25 s, about as long as the liveness probe takes to be judged busy more than
+# `failure_threshold` times. SGLang serves a longer context than the model's config states
+# when SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (`ModelConfig._derive_context_length`,
+# srt/configs/model_config.py:1295-1316 in 0.5.23); the KV pool holds two of them at once.
+CONTEXT = 16384
+LONG = 16000
+SERVER_ARGS = {
+    "max-running-requests": MAX_RUNNING,
+    "context-length": CONTEXT,
+    "max-total-tokens": 2 * CONTEXT + 4096,
+}
 # A generation of about a second here (up to ~20 s on a loaded host, within the default
 # router.drain_timeout of 30 s): running when the drain begins, done before it answers.
 DRAIN_TOKENS = 512
@@ -56,7 +66,9 @@ DEATHS: dict[str, dict[str, Any]] = {}
 @pytest.fixture(scope="module")
 def served(sgl: real.SGLangEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real]:
     tmp = tmp_path_factory.mktemp("real-daemon")
-    cfg = daemon_config(tmp, sgl, args={"max-running-requests": MAX_RUNNING})
+    cfg = daemon_config(
+        tmp, sgl, args=SERVER_ARGS, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
+    )
     with real_daemon(tmp, cfg) as r:
         yield r
 
@@ -207,7 +219,7 @@ def test_a_saturated_server_is_not_restarted(served: Real) -> None:
 
 
 def test_long_prefills_are_not_restarted(served: Real) -> None:
-    # Long prompts (the tiny model's context is 4096 tokens), four of them queued on a
+    # Long prompts (over 500 tokens each), four of them queued on a
     # server that runs two: prefill and queueing instead of long decodes.
     long_prompt = "the quick brown fox jumps over the lazy dog " * 100
     futures = _flood(served, 4, 100, long_prompt)
