@@ -46,10 +46,14 @@ def machine() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(
-            psutil.virtual_memory().total / 2**30, 1),
-        "kernel": platform.release(), "os": _os_name(), "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(), "processes": len(psutil.pids()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+        "os": _os_name(),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+        "processes": len(psutil.pids()),
         "gpu": "none (the SGLang stand-in, supervisor/standin)",
     }
 
@@ -87,13 +91,16 @@ class Runner:
     def put(self, approach: str, key: str) -> Callable[[Any], None]:
         def store(value: Any) -> None:
             self.results.setdefault(approach, {})[key] = value
+
         return store
 
-    def lane(self, name: str, jobs: list[tuple[str, Callable[[], Any], Callable[[Any], None]]]
-             ) -> threading.Thread:
+    def lane(
+        self, name: str, jobs: list[tuple[str, Callable[[], Any], Callable[[Any], None]]]
+    ) -> threading.Thread:
         def run() -> None:
             for job in jobs:
                 self.guard(*job)
+
         t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
         return t
@@ -103,8 +110,13 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
     procs = Procs()
     stale = sweep_marked(stale=True)
     results: dict[str, Any] = {
-        "machine": machine(), "settings": settings.to_dict(), "approaches": list(only),
-        "not_measured": {}, "durations": {}, "started": time.time(), "run_id": RUN_ID,
+        "machine": machine(),
+        "settings": settings.to_dict(),
+        "approaches": list(only),
+        "not_measured": {},
+        "durations": {},
+        "started": time.time(),
+        "run_id": RUN_ID,
     }
     if stale:
         results["stale_processes_removed"] = stale
@@ -132,50 +144,78 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
         if KIMI in only:
             r.guard(f"{KIMI}/cycles", lambda: scenarios.kimi_cycles(ctx), r.put(KIMI, "cycles"))
         if want_sv:
-            r.guard(f"{SUPERVISORD}/cycles", lambda: scenarios.supervisord_cycles(ctx),
-                    r.put(SUPERVISORD, "cycles"))
+            r.guard(
+                f"{SUPERVISORD}/cycles",
+                lambda: scenarios.supervisord_cycles(ctx),
+                r.put(SUPERVISORD, "cycles"),
+            )
         if ctx.box is not None:
-            r.guard(f"{SYSTEMD}/cycles", lambda: scenarios.systemd_cycles(ctx),
-                    r.put(SYSTEMD, "cycles"))
+            r.guard(
+                f"{SYSTEMD}/cycles", lambda: scenarios.systemd_cycles(ctx), r.put(SYSTEMD, "cycles")
+            )
         if KIMI in only:
             say("phase A: log pump")
-            r.guard("log_pump", lambda: scenarios.log_pump(ctx, want_sv),
-                    lambda v: results.__setitem__("log_pump", v))
+            r.guard(
+                "log_pump",
+                lambda: scenarios.log_pump(ctx, want_sv),
+                lambda v: results.__setitem__("log_pump", v),
+            )
 
-        say(f"phase B: footprint for {settings.footprint_s:.0f} s; beside it hang, false "
-            "ready and the poller")
+        say(
+            f"phase B: footprint for {settings.footprint_s:.0f} s; beside it hang, false "
+            "ready and the poller"
+        )
         lanes = []
         lane1: list[Any] = []
         if KIMI in only:
-            lane1 += [(f"{KIMI}/hang", lambda: scenarios.kimi_hang(ctx), r.put(KIMI, "hang")),
-                      (f"{KIMI}/false_ready", lambda: scenarios.kimi_false_ready(ctx),
-                       r.put(KIMI, "false_ready"))]
+            lane1 += [
+                (f"{KIMI}/hang", lambda: scenarios.kimi_hang(ctx), r.put(KIMI, "hang")),
+                (
+                    f"{KIMI}/false_ready",
+                    lambda: scenarios.kimi_false_ready(ctx),
+                    r.put(KIMI, "false_ready"),
+                ),
+            ]
         if POLLER in only:
-            lane1.append((f"{POLLER}/cycles", lambda: scenarios.poller_cycles(ctx),
-                          r.put(POLLER, "cycles")))
+            lane1.append(
+                (f"{POLLER}/cycles", lambda: scenarios.poller_cycles(ctx), r.put(POLLER, "cycles"))
+            )
         lanes.append(r.lane("lane1", lane1))
 
         def split(approach: str) -> Callable[[Any], None]:
             def store(value: Any) -> None:
                 results.setdefault(approach, {})["false_ready"] = value["false_ready"]
                 results[approach]["hang"] = value["hang"]
+
             return store
 
         lane2: list[Any] = []
         if want_sv:
-            lane2.append((f"{SUPERVISORD}/faults", lambda: scenarios.supervisord_faults(ctx),
-                          split(SUPERVISORD)))
+            lane2.append(
+                (
+                    f"{SUPERVISORD}/faults",
+                    lambda: scenarios.supervisord_faults(ctx),
+                    split(SUPERVISORD),
+                )
+            )
         if ctx.box is not None:
-            lane2.append((f"{SYSTEMD}/faults", lambda: scenarios.systemd_faults(ctx),
-                          split(SYSTEMD)))
+            lane2.append(
+                (f"{SYSTEMD}/faults", lambda: scenarios.systemd_faults(ctx), split(SYSTEMD))
+            )
         lanes.append(r.lane("lane2", lane2))
         if POLLER in only:
-            lanes.append(r.lane("lane3", [(f"{POLLER}/faults",
-                                           lambda: scenarios.poller_faults(ctx),
-                                           split(POLLER))]))
+            lanes.append(
+                r.lane(
+                    "lane3",
+                    [(f"{POLLER}/faults", lambda: scenarios.poller_faults(ctx), split(POLLER))],
+                )
+            )
         if KIMI in only:
-            r.guard("footprint", lambda: scenarios.footprint(ctx, want_sv),
-                    lambda v: results.__setitem__("footprint", v))
+            r.guard(
+                "footprint",
+                lambda: scenarios.footprint(ctx, want_sv),
+                lambda v: results.__setitem__("footprint", v),
+            )
         for lane in lanes:
             lane.join()
     finally:
@@ -190,23 +230,36 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, < 30 s)")
-    p.add_argument("--only", default=",".join(APPROACHES),
-                   help=f"comma-separated subset of {', '.join(APPROACHES)}")
+    p.add_argument(
+        "--only",
+        default=",".join(APPROACHES),
+        help=f"comma-separated subset of {', '.join(APPROACHES)}",
+    )
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument("--real-sglang", type=int, default=0, metavar="ROUNDS",
-                   help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
-                        "needs tools/sglang-env, about a minute each)")
+    p.add_argument(
+        "--real-sglang",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
+        "needs tools/sglang-env, about a minute each)",
+    )
     a = p.parse_args(argv)
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
     unknown = set(only) - set(APPROACHES)
     if unknown:
-        p.error(f"unknown approach(es) {', '.join(sorted(unknown))}; "
-                f"choose from {', '.join(APPROACHES)}")
+        p.error(
+            f"unknown approach(es) {', '.join(sorted(unknown))}; "
+            f"choose from {', '.join(APPROACHES)}"
+        )
     if KIMI not in only:
         p.error("kimi-serve is what the bench measures; keep it in --only")
     settings = Settings.tiny() if a.quick else Settings.default()
@@ -238,10 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             results["not_measured"]["real_sglang"] = f"{type(exc).__name__}: {first}"
     tables = report.all_tables(results)
     m = results["machine"]
-    head = (f"kimi-serve bench ({'quick' if a.quick else 'full'}) on {m['cpu']}, {m['cores']} "
-            f"cores, {m['memory_gib']} GiB, {m['os']}, kernel {m['kernel']}, Python "
-            f"{m['python']}; load average {m['loadavg_start'][0]:.2f} → "
-            f"{m['loadavg_end'][0]:.2f}; {results['seconds']:.0f} s")
+    head = (
+        f"kimi-serve bench ({'quick' if a.quick else 'full'}) on {m['cpu']}, {m['cores']} "
+        f"cores, {m['memory_gib']} GiB, {m['os']}, kernel {m['kernel']}, Python "
+        f"{m['python']}; load average {m['loadavg_start'][0]:.2f} → "
+        f"{m['loadavg_end'][0]:.2f}; {results['seconds']:.0f} s"
+    )
     print(head)
     print()
     print(report.text(tables))

@@ -301,9 +301,22 @@ class Observer:
         readyz: str | None = None,
         prefix: Sequence[str] = (),
     ) -> None:
-        argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port),
-                "--timeout", str(timeout), "--mode", mode, "--window", str(window),
-                "--decode-timeout", str(decode_timeout)]
+        argv = [
+            *prefix,
+            str(PYTHON),
+            "-m",
+            "bench.observe",
+            "--port",
+            str(port),
+            "--timeout",
+            str(timeout),
+            "--mode",
+            mode,
+            "--window",
+            str(window),
+            "--decode-timeout",
+            str(decode_timeout),
+        ]
         if readyz:
             argv += ["--readyz", readyz]
         if not decode:
@@ -328,8 +341,10 @@ class Observer:
     def result(self, timeout: float) -> dict[str, float]:
         """{"bind": t, "decode": t} (decode absent when not asked for)."""
         self.event("decode" if self.decode else "bind", timeout=timeout)
-        return {e["event"]: float(e["t"]) for e in self.lines.find(
-            lambda e: e.get("event") in ("bind", "decode"))}
+        return {
+            e["event"]: float(e["t"])
+            for e in self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
+        }
 
     def readyz(self, timeout: float) -> float | None:
         """When the daemon's /readyz first answered 200 (polled from the bind on)."""
@@ -347,10 +362,9 @@ class Observer:
 # ---------------------------------------------------------------------------- small helpers
 
 
-
-
-def http_status(url: str, timeout: float = 2.0, method: str = "GET", body: str | None = None
-                ) -> int | None:
+def http_status(
+    url: str, timeout: float = 2.0, method: str = "GET", body: str | None = None
+) -> int | None:
     """Status code of one request (None: no answer). A fresh connection each time."""
     import http.client
     from urllib.parse import urlsplit
@@ -373,8 +387,12 @@ def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") ->
     """One decode of `tokens` tokens; True only if all came back in time."""
     import http.client
 
-    body = json.dumps({"text": "Say hello in one word",
-                       "sampling_params": {"max_new_tokens": tokens, "temperature": 0}})
+    body = json.dumps(
+        {
+            "text": "Say hello in one word",
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
+        }
+    )
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
@@ -389,8 +407,9 @@ def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") ->
         conn.close()
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.01,
-               what: str = "condition") -> Any:
+def wait_until(
+    pred: Callable[[], Any], timeout: float, interval: float = 0.01, what: str = "condition"
+) -> Any:
     """testkit.wait_until, failing as a BenchError (a bench row says what did not happen)."""
     try:
         return kit_wait_until(pred, timeout, what, interval)
@@ -457,8 +476,7 @@ class Stat:
         return cls(len(v), statistics.median(v), v[0], v[-1], p90)
 
     def to_dict(self) -> dict[str, float]:
-        return {"n": self.n, "median": self.median, "min": self.lo, "max": self.hi,
-                "p90": self.p90}
+        return {"n": self.n, "median": self.median, "min": self.lo, "max": self.hi, "p90": self.p90}
 
 
 def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
@@ -468,8 +486,11 @@ def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
     between reading the clock and sending the signal, or before noting the exit.
 
     Returns (kill time, a function that waits for and returns the exit time)."""
-    helper = procs.start([str(PYTHON), "-m", "bench.observe", "--mode", "kill", "--pid",
-                          str(pid), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    helper = procs.start(
+        [str(PYTHON), "-m", "bench.observe", "--mode", "kill", "--pid", str(pid), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     lines = Lines(helper.stdout)
     _, ev = lines.wait(lambda e: e.get("event") in ("killed", "error"), 15.0)
     if ev.get("event") == "error":

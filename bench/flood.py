@@ -32,8 +32,10 @@ import termios
 import time
 
 FD = 2
-LINE = ("[%s TP0] Decode batch, #running-req: 1, #token: %d, token usage: 0.01, cuda graph: "
-        "True, gen throughput (token/s): 88.00, #queue-req: 0\n")
+LINE = (
+    "[%s TP0] Decode batch, #running-req: 1, #token: %d, token usage: 0.01, cuda graph: "
+    "True, gen throughput (token/s): 88.00, #queue-req: 0\n"
+)
 _F_GETPIPE_SZ = 1032
 
 
@@ -54,8 +56,9 @@ def plan_from(text: str) -> list[tuple[float, float]]:
     return steps
 
 
-def run_step(fd: int, rate: float, seconds: float, max_lines: int, is_pipe: bool
-             ) -> dict[str, float]:
+def run_step(
+    fd: int, rate: float, seconds: float, max_lines: int, is_pipe: bool
+) -> dict[str, float]:
     total = max_lines if rate <= 0 else int(rate * seconds)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     written = 0
@@ -89,9 +92,15 @@ def run_step(fd: int, rate: float, seconds: float, max_lines: int, is_pipe: bool
     while is_pipe and _pending(fd) > 0:
         time.sleep(0.001)
     return {
-        "rate": rate, "lines": written, "start": start_wall, "end": end_wall,
-        "drained": time.time(), "achieved": written / elapsed if elapsed > 0 else 0.0,
-        "eagain": eagain, "blocked_s": blocked, "peak_pipe_bytes": peak,
+        "rate": rate,
+        "lines": written,
+        "start": start_wall,
+        "end": end_wall,
+        "drained": time.time(),
+        "achieved": written / elapsed if elapsed > 0 else 0.0,
+        "eagain": eagain,
+        "blocked_s": blocked,
+        "peak_pipe_bytes": peak,
         "median_pipe_bytes": sorted(fills)[len(fills) // 2] if fills else 0,
     }
 

@@ -64,8 +64,11 @@ def bench_config(
         sglang={"model_path": model_dir(work), "env": standin_env},
         readiness={"load_timeout": "60s", "probe": {"timeout": "30s"}},
         liveness=liveness or PRODUCTION_LIVENESS,
-        restart={"backoff_initial": "0s", "backoff_max": "1s",
-                 "crash_loop": {"max_restarts": 10_000, "window": "1h"}},
+        restart={
+            "backoff_initial": "0s",
+            "backoff_max": "1s",
+            "crash_loop": {"max_restarts": 10_000, "window": "1h"},
+        },
         stop={"drain_timeout": "5s"},
     )
     for section, value in overrides.items():

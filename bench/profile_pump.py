@@ -81,7 +81,7 @@ async def _through_pipe(daemon: Any, data: bytes) -> float:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view[:65536]):]
+        view = view[os.write(fd, view[:65536]) :]
     os.close(fd)
 
 
@@ -108,22 +108,34 @@ def main(argv: list[str] | None = None) -> int:
             out: dict[str, float] = {}
             scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
             out["scan (LogScanner.feed)"] = _per_line(
-                lambda ls: [scanner.feed(x) for x in ls], lines)
+                lambda ls: [scanner.feed(x) for x in ls], lines
+            )
             out["split + decode"] = _per_line(
-                lambda ls: [x.decode("utf-8", "replace").rstrip("\r")
-                            for x in data.split(b"\n")], lines)
+                lambda ls: [x.decode("utf-8", "replace").rstrip("\r") for x in data.split(b"\n")],
+                lines,
+            )
             metric = daemon.metrics.log_lines.labels("stderr")
             out["metric, one inc per line"] = _per_line(
-                lambda ls: _each(lambda _: metric.inc(), ls), lines)
+                lambda ls: _each(lambda _: metric.inc(), ls), lines
+            )
             out["LogPump.lines (count, scan, forward ≤2000/s)"] = _per_line(
-                lambda ls: _each(lambda i: daemon.pump.lines(1, Stream.STDERR, ls[i:i + 430]),
-                                 range(0, len(ls), 430)), lines)
+                lambda ls: _each(
+                    lambda i: daemon.pump.lines(1, Stream.STDERR, ls[i : i + 430]),
+                    range(0, len(ls), 430),
+                ),
+                lines,
+            )
             sglog = log.get("sglang")
             out["forwarding one line to the daemon's own log (/dev/null here)"] = _per_line(
-                lambda ls: _each(lambda x: getattr(sglog, guess_level(x))(
-                    x, source="sglang", stream="stderr"), ls), lines[:2000])
+                lambda ls: _each(
+                    lambda x: getattr(sglog, guess_level(x))(x, source="sglang", stream="stderr"),
+                    ls,
+                ),
+                lines[:2000],
+            )
             out["whole pump: pipe → _Pump → LogPump.lines"] = (
-                await _through_pipe(daemon, data)) * 1e6
+                await _through_pipe(daemon, data)
+            ) * 1e6
             prof = cProfile.Profile()
             prof.enable()
             await _through_pipe(daemon, data)
@@ -141,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if not name.startswith("_"):
             print(f"  {us:6.2f}  {name}   (one core: {1e6 / us / 1000:,.0f}k lines/s)")
     burst = results["forwarding one line to the daemon's own log (/dev/null here)"] * 2
-    print(f"The forward budget (2000 lines) is spent at the start of each second: a {burst:.0f}-ms "
-          "burst in which the pump falls behind.")
+    print(
+        f"The forward budget (2000 lines) is spent at the start of each second: a {burst:.0f}-ms "
+        "burst in which the pump falls behind."
+    )
     return 0
 
 

@@ -71,25 +71,45 @@ class Settings:
     @classmethod
     def default(cls) -> Settings:
         return cls(
-            quick=False, load_s=2.0, warmup_s=1.0, cycles=8, poller_cycles=3,
-            poller_period=10.0, false_ready_trials=3, hang_trials=3, hang_window=20.0,
+            quick=False,
+            load_s=2.0,
+            warmup_s=1.0,
+            cycles=8,
+            poller_cycles=3,
+            poller_period=10.0,
+            false_ready_trials=3,
+            hang_trials=3,
+            hang_window=20.0,
             hang_after=30,
             hang_liveness={"interval": "1s", "timeout": "1s", "failure_threshold": 3},
-            footprint_s=150.0, scrape_every=5.0,
-            flood_plan="10000:2,50000:2,100000:2,200000:2,0:1", flood_max_lines=300_000,
-            flood_gap=0.5, broken_timeout=3.0,
+            footprint_s=150.0,
+            scrape_every=5.0,
+            flood_plan="10000:2,50000:2,100000:2,200000:2,0:1",
+            flood_max_lines=300_000,
+            flood_gap=0.5,
+            broken_timeout=3.0,
         )
 
     @classmethod
     def tiny(cls) -> Settings:
         return cls(
-            quick=True, load_s=0.3, warmup_s=0.1, cycles=2, poller_cycles=1,
-            poller_period=1.0, false_ready_trials=1, hang_trials=1, hang_window=2.0,
+            quick=True,
+            load_s=0.3,
+            warmup_s=0.1,
+            cycles=2,
+            poller_cycles=1,
+            poller_period=1.0,
+            false_ready_trials=1,
+            hang_trials=1,
+            hang_window=2.0,
             hang_after=10,
             hang_liveness={"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
-            footprint_s=2.0, scrape_every=1.0,
-            flood_plan="10000:0.3,100000:0.3,0:1", flood_max_lines=20_000,
-            flood_gap=0.2, broken_timeout=1.0,
+            footprint_s=2.0,
+            scrape_every=1.0,
+            flood_plan="10000:0.3,100000:0.3,0:1",
+            flood_max_lines=20_000,
+            flood_gap=0.2,
+            broken_timeout=1.0,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,8 +187,15 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
         ready = ns.wait(is_ready_msg, t0, 10)
         if ready is None:
             raise BenchError("kimi-serve reached ready but no READY=1 arrived")
-        out["readiness"].append({"when": "start", "bind": r["bind"], "decode": r["decode"],
-                                 "ready": ready[0], "readyz": readyz})
+        out["readiness"].append(
+            {
+                "when": "start",
+                "bind": r["bind"],
+                "decode": r["decode"],
+                "ready": ready[0],
+                "readyz": readyz,
+            }
+        )
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             pid = ks.child_pid()
@@ -193,23 +220,44 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
             loading = _first(evs, _state("loading"))
             warming = _first(evs, _state("warming"))
             ready_state = _first(evs, _state("ready"))
-            out["death"].append({
-                "kill": t_kill, "dead": dead, "noticed": restarting,
-                "exited_log": _first(evs, _named("sglang exited")), "status_datagram": status[0],
-            })
-            out["recovery"].append({
-                "detect": restarting - t_kill, "stop": gone - restarting,
-                "backoff": cleaning - gone, "cleaning": launching - cleaning,
-                "relaunch": loading - launching, "load": r["bind"] - loading,
-                "port_seen": warming - r["bind"], "probe": ready_state - warming,
-                "notify": ready[0] - ready_state, "total": ready[0] - t_kill,
-                "serving": r["decode"] - t_kill,
-            })
-            out["readiness"].append({"when": "restart", "bind": r["bind"], "decode": r["decode"],
-                                     "ready": ready[0], "readyz": readyz})
-            ctx.say(f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
-                    f"{(restarting - t_kill) * 1000:.1f} ms, ready again "
-                    f"{ready[0] - t_kill:.2f} s")
+            out["death"].append(
+                {
+                    "kill": t_kill,
+                    "dead": dead,
+                    "noticed": restarting,
+                    "exited_log": _first(evs, _named("sglang exited")),
+                    "status_datagram": status[0],
+                }
+            )
+            out["recovery"].append(
+                {
+                    "detect": restarting - t_kill,
+                    "stop": gone - restarting,
+                    "backoff": cleaning - gone,
+                    "cleaning": launching - cleaning,
+                    "relaunch": loading - launching,
+                    "load": r["bind"] - loading,
+                    "port_seen": warming - r["bind"],
+                    "probe": ready_state - warming,
+                    "notify": ready[0] - ready_state,
+                    "total": ready[0] - t_kill,
+                    "serving": r["decode"] - t_kill,
+                }
+            )
+            out["readiness"].append(
+                {
+                    "when": "restart",
+                    "bind": r["bind"],
+                    "decode": r["decode"],
+                    "ready": ready[0],
+                    "readyz": readyz,
+                }
+            )
+            ctx.say(
+                f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
+                f"{(restarting - t_kill) * 1000:.1f} ms, ready again "
+                f"{ready[0] - t_kill:.2f} s"
+            )
     finally:
         out["left_behind"] = ks.stop()
         ns.close()
@@ -230,8 +278,9 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
         _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
         r = obs.result(60)
         obs.close()
-        out["readiness"].append({"when": "start", "bind": r["bind"], "decode": r["decode"],
-                                 "ready": t_run})
+        out["readiness"].append(
+            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": t_run}
+        )
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             pid = sv.child_pid()
@@ -244,15 +293,23 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
             r = obs.result(30)
             obs.close()
             out["death"].append({"kill": t_kill, "dead": death(10), "noticed": t_exit})
-            out["recovery"].append({
-                "detect": t_exit - t_kill, "respawn": t_spawn - t_exit,
-                "load": r["bind"] - t_spawn, "startsecs": t_run - t_spawn,
-                "total": t_run - t_kill, "serving": r["decode"] - t_kill,
-            })
-            out["readiness"].append({"when": "restart", "bind": r["bind"], "decode": r["decode"],
-                                     "ready": t_run})
-            ctx.say(f"  supervisord kill {i + 1}/{s.cycles}: noticed "
-                    f"{(t_exit - t_kill) * 1000:.1f} ms, RUNNING again {t_run - t_kill:.2f} s")
+            out["recovery"].append(
+                {
+                    "detect": t_exit - t_kill,
+                    "respawn": t_spawn - t_exit,
+                    "load": r["bind"] - t_spawn,
+                    "startsecs": t_run - t_spawn,
+                    "total": t_run - t_kill,
+                    "serving": r["decode"] - t_kill,
+                }
+            )
+            out["readiness"].append(
+                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": t_run}
+            )
+            ctx.say(
+                f"  supervisord kill {i + 1}/{s.cycles}: noticed "
+                f"{(t_exit - t_kill) * 1000:.1f} ms, RUNNING again {t_run - t_kill:.2f} s"
+            )
         out["rss_mib"] = psutil.Process(sv.pid).memory_info().rss / 2**20
     finally:
         sv.stop()
@@ -283,8 +340,9 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
         r = obs.result(60)
         obs.close()
         t = box.times(unit)
-        out["readiness"].append({"when": "start", "bind": r["bind"], "decode": r["decode"],
-                                 "ready": t["active"]})
+        out["readiness"].append(
+            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": t["active"]}
+        )
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             before = box.times(unit)
@@ -297,15 +355,23 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
             exited, started, active = t["noticed"], t["started"], t["active"]
             assert exited is not None and started is not None and active is not None
             out["death"].append({"kill": t_kill, "dead": death(10), "noticed": exited})
-            out["recovery"].append({
-                "detect": exited - t_kill, "respawn": started - exited,
-                "load": r["bind"] - started, "ready_after_spawn": active - started,
-                "total": active - t_kill, "serving": r["decode"] - t_kill,
-            })
-            out["readiness"].append({"when": "restart", "bind": r["bind"], "decode": r["decode"],
-                                     "ready": active})
-            ctx.say(f"  systemd kill {i + 1}/{s.cycles}: noticed "
-                    f"{(exited - t_kill) * 1000:.1f} ms, active again {active - t_kill:.2f} s")
+            out["recovery"].append(
+                {
+                    "detect": exited - t_kill,
+                    "respawn": started - exited,
+                    "load": r["bind"] - started,
+                    "ready_after_spawn": active - started,
+                    "total": active - t_kill,
+                    "serving": r["decode"] - t_kill,
+                }
+            )
+            out["readiness"].append(
+                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": active}
+            )
+            ctx.say(
+                f"  systemd kill {i + 1}/{s.cycles}: noticed "
+                f"{(exited - t_kill) * 1000:.1f} ms, active again {active - t_kill:.2f} s"
+            )
     finally:
         with contextlib.suppress(Exception):
             box.stop_unit(unit)
@@ -315,24 +381,42 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
 class PollerRun:
     """One bench/poller.py process (with its own stand-in)."""
 
-    def __init__(self, ctx: Ctx, work: Path, env: dict[str, str] | None = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, ctx: Ctx, work: Path, env: dict[str, str] | None = None, seed: int = 0
+    ) -> None:
         s = ctx.s
         cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=env)
         spec = launch_spec(cfg, work)
         self.port = int(cfg["sglang"]["port"])
         self.proc = ctx.procs.start(
-            [PYTHON, "-m", "bench.poller", "--port", str(self.port),
-             "--period", str(s.poller_period), "--seed", str(seed), "--", *spec.argv],
-            env=dict(spec.env), stdout=subprocess.PIPE, text=True)
+            [
+                PYTHON,
+                "-m",
+                "bench.poller",
+                "--port",
+                str(self.port),
+                "--period",
+                str(s.poller_period),
+                "--seed",
+                str(seed),
+                "--",
+                *spec.argv,
+            ],
+            env=dict(spec.env),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines = Lines(self.proc.stdout)
         self.procs = ctx.procs
 
-    def wait(self, name: str, timeout: float, start: int = 0,
-             launch: int | None = None) -> tuple[int, dict[str, Any]]:
+    def wait(
+        self, name: str, timeout: float, start: int = 0, launch: int | None = None
+    ) -> tuple[int, dict[str, Any]]:
         return self.lines.wait(
             lambda e: e.get("event") == name and (launch is None or e.get("launch") == launch),
-            timeout, start)
+            timeout,
+            start,
+        )
 
     def child(self) -> tuple[int, int]:
         spawned = self.lines.find(_named("spawned"))
@@ -353,8 +437,9 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
         _, ev = pr.wait("ready", wait_s)
         r = obs.result(wait_s)
         obs.close()
-        out["readiness"].append({"when": "start", "bind": r["bind"], "decode": r["decode"],
-                                 "ready": ev["t"]})
+        out["readiness"].append(
+            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": ev["t"]}
+        )
         for i in range(s.poller_cycles):
             _settle(ctx, r["decode"])
             pid, launch = pr.child()
@@ -367,15 +452,23 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
             r = obs.result(wait_s)
             obs.close()
             out["death"].append({"kill": t_kill, "dead": death(10), "noticed": died["t"]})
-            out["recovery"].append({
-                "detect": died["t"] - t_kill, "respawn": spawned["t"] - died["t"],
-                "load": r["bind"] - spawned["t"], "ready_after_bind": ready["t"] - r["bind"],
-                "total": ready["t"] - t_kill, "serving": r["decode"] - t_kill,
-            })
-            out["readiness"].append({"when": "restart", "bind": r["bind"], "decode": r["decode"],
-                                     "ready": ready["t"]})
-            ctx.say(f"  poller kill {i + 1}/{s.poller_cycles}: noticed "
-                    f"{died['t'] - t_kill:.2f} s, ready again {ready['t'] - t_kill:.2f} s")
+            out["recovery"].append(
+                {
+                    "detect": died["t"] - t_kill,
+                    "respawn": spawned["t"] - died["t"],
+                    "load": r["bind"] - spawned["t"],
+                    "ready_after_bind": ready["t"] - r["bind"],
+                    "total": ready["t"] - t_kill,
+                    "serving": r["decode"] - t_kill,
+                }
+            )
+            out["readiness"].append(
+                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready["t"]}
+            )
+            ctx.say(
+                f"  poller kill {i + 1}/{s.poller_cycles}: noticed "
+                f"{died['t'] - t_kill:.2f} s, ready again {ready['t'] - t_kill:.2f} s"
+            )
     finally:
         pr.stop()
     return out
@@ -385,22 +478,28 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
 
 
 def _flood_env(ctx: Ctx, result: Path) -> dict[str, str]:
-    return {"BENCH_FLOOD_PLAN": ctx.s.flood_plan, "BENCH_FLOOD_RESULT": str(result),
-            "BENCH_FLOOD_MAX_LINES": str(ctx.s.flood_max_lines),
-            "BENCH_FLOOD_GAP": str(ctx.s.flood_gap)}
+    return {
+        "BENCH_FLOOD_PLAN": ctx.s.flood_plan,
+        "BENCH_FLOOD_RESULT": str(result),
+        "BENCH_FLOOD_MAX_LINES": str(ctx.s.flood_max_lines),
+        "BENCH_FLOOD_GAP": str(ctx.s.flood_gap),
+    }
 
 
 def _flood_steps(result: Path, timeout: float) -> list[dict[str, Any]]:
     import json
 
-    wait_until(lambda: result.exists() and '"done"' in result.read_text(), timeout, 0.1,
-               "the log writer finished its plan")
+    wait_until(
+        lambda: result.exists() and '"done"' in result.read_text(),
+        timeout,
+        0.1,
+        "the log writer finished its plan",
+    )
     return [d for d in map(json.loads, result.read_text().splitlines()) if "rate" in d]
 
 
 def _plan_seconds(ctx: Ctx) -> float:
-    return sum(float(p.split(":")[1]) + ctx.s.flood_gap
-               for p in ctx.s.flood_plan.split(",")) + 30
+    return sum(float(p.split(":")[1]) + ctx.s.flood_gap for p in ctx.s.flood_plan.split(",")) + 30
 
 
 def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
@@ -418,8 +517,9 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     # kimi-serve: the writer is launched in SGLang's place.
     kwork = ctx.dir("kimi", work)
     result = kwork / "steps.jsonl"
-    cfg = bench_config(kwork, load_s=ctx.s.load_s, warmup_s=ctx.s.warmup_s,
-                       env=_flood_env(ctx, result))
+    cfg = bench_config(
+        kwork, load_s=ctx.s.load_s, warmup_s=ctx.s.warmup_s, env=_flood_env(ctx, result)
+    )
     cfg["sglang"]["module"] = "bench.flood"
     cfg["sglang"]["args"] = {}
     cfg["readiness"]["load_timeout"] = "30m"
@@ -432,12 +532,13 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
         cpu.stop()
         for step in steps:
             step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                step["drained"] - step["start"])
+                step["drained"] - step["start"]
+            )
         out["kimi-serve"] = steps
         metrics = _get(ks.admin + "/metrics")
         out["kimi-serve-counted"] = _metric(metrics, 'kimi_serve_log_lines_total{stream="stderr"}')
         out["kimi-serve-written"] = sum(st["lines"] for st in steps)
-        out["kimi-serve-forwarded"] = (ks.lines.skipped if ks.lines else 0)
+        out["kimi-serve-forwarded"] = ks.lines.skipped if ks.lines else 0
     finally:
         ks.stop()
     ctx.say("  log pump: kimi-serve done")
@@ -445,8 +546,9 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     if with_supervisord:
         swork = ctx.dir("supervisord", work)
         result = swork / "steps.jsonl"
-        sv = sv_mod.Supervisord(ctx.procs, swork, [str(PYTHON), "-m", "bench.flood"],
-                                _flood_env(ctx, result))
+        sv = sv_mod.Supervisord(
+            ctx.procs, swork, [str(PYTHON), "-m", "bench.flood"], _flood_env(ctx, result)
+        )
         try:
             sv.start()
             sv.wait(sv_mod.SPAWNED, 30)
@@ -455,7 +557,8 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
             cpu.stop()
             for step in steps:
                 step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                    step["drained"] - step["start"])
+                    step["drained"] - step["start"]
+                )
             out["supervisord"] = steps
         finally:
             sv.stop()
@@ -486,8 +589,9 @@ def kimi_hang(ctx: Ctx) -> dict[str, Any]:
     decode probe must restart SGLang while /health stays 200."""
     s = ctx.s
     work = ctx.dir("kimi-hang")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, liveness=s.hang_liveness,
-                       env=_hang_env(s))
+    cfg = bench_config(
+        work, load_s=s.load_s, warmup_s=s.warmup_s, liveness=s.hang_liveness, env=_hang_env(s)
+    )
     # A hung request keeps SGLang's SIGTERM drain waiting forever; do not wait long at the end.
     cfg["stop"]["drain_timeout"] = "1s"
     ks = KimiServe(ctx.procs, work, cfg)
@@ -502,8 +606,10 @@ def kimi_hang(ctx: Ctx) -> dict[str, Any]:
             obs.close()
             start, ev = ks.wait_state("restarting", 120, start)
             trials.append({"onset": onset, "noticed": KimiServe.at(ev), "reason": ev["reason"]})
-            ctx.say(f"  kimi-serve hang: restart ({ev['reason']}) "
-                    f"{KimiServe.at(ev) - onset:.2f} s after the hang began")
+            ctx.say(
+                f"  kimi-serve hang: restart ({ev['reason']}) "
+                f"{KimiServe.at(ev) - onset:.2f} s after the hang began"
+            )
     finally:
         ks.stop()
     return {"trials": trials, "liveness": s.hang_liveness}
@@ -515,8 +621,9 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
     work = ctx.dir("kimi-false-ready")
     ns = NotifySocket(work / "notify.sock")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s,
-                       env={"STANDIN_FAULT": "seed-incident"})
+    cfg = bench_config(
+        work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
+    )
     ks = KimiServe(ctx.procs, work, cfg, ns)
     readyz_200 = 0
     polls = 0
@@ -542,8 +649,13 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             assert ks.lines is not None
             # The port opened (warming) before the probe found the launch broken.
             warming = [e for e in ks.lines.events[:start] if _state("warming")(e)]
-            verdicts.append({"reason": ev["reason"], "at": KimiServe.at(ev),
-                             "warming": KimiServe.at(warming[-1]) if warming else None})
+            verdicts.append(
+                {
+                    "reason": ev["reason"],
+                    "at": KimiServe.at(ev),
+                    "warming": KimiServe.at(warming[-1]) if warming else None,
+                }
+            )
             start += 1
         stop.set()
         poller.join(2)
@@ -553,17 +665,32 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
         stop.set()
         ks.stop()
         ns.close()
-    ctx.say(f"  kimi-serve false ready: {ready_msgs} READY=1 over {len(verdicts)} broken "
-            f"launches, /readyz 200 {readyz_200}/{polls}")
+    ctx.say(
+        f"  kimi-serve false ready: {ready_msgs} READY=1 over {len(verdicts)} broken "
+        f"launches, /readyz 200 {readyz_200}/{polls}"
+    )
     # Every launch is broken, so any ready at all is a false one.
-    return {"trials": len(verdicts), "false_ready": max(ready_msgs, ready_states),
-            "ready_datagrams": ready_msgs, "ready_states": ready_states,
-            "readyz_200": readyz_200, "readyz_polls": polls, "verdicts": verdicts}
+    return {
+        "trials": len(verdicts),
+        "false_ready": max(ready_msgs, ready_states),
+        "ready_datagrams": ready_msgs,
+        "ready_states": ready_states,
+        "readyz_200": readyz_200,
+        "readyz_polls": polls,
+        "verdicts": verdicts,
+    }
 
 
 def _broken_check(ctx: Ctx, port: int, prefix: list[str] | None = None) -> dict[str, Any]:
-    obs = Observer(ctx.procs, port, fresh=False, mode="broken", timeout=60,
-                   decode_timeout=ctx.s.broken_timeout, prefix=prefix or [])
+    obs = Observer(
+        ctx.procs,
+        port,
+        fresh=False,
+        mode="broken",
+        timeout=60,
+        decode_timeout=ctx.s.broken_timeout,
+        prefix=prefix or [],
+    )
     try:
         return obs.event("verdict", timeout=70)
     finally:
@@ -576,8 +703,9 @@ def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
     false_ready: list[dict[str, Any]] = []
     for i in range(s.false_ready_trials):
         work = ctx.dir(f"supervisord-false-ready-{i}")
-        cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s,
-                           env={"STANDIN_FAULT": "seed-incident"})
+        cfg = bench_config(
+            work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
+        )
         spec = launch_spec(cfg, work)
         sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
         try:
@@ -585,10 +713,19 @@ def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
             verdict = _broken_check(ctx, int(cfg["sglang"]["port"]))
             assert sv.log is not None
-            exited_before = any(t <= verdict["t"] for t, text in sv.log.lines
-                                if sv_mod.PROGRAM in text and "exited:" in text)
-            false_ready.append({"ready": t_run, "decode_ok": verdict["decode_ok"],
-                                "still_ready": not exited_before, "detail": verdict["detail"]})
+            exited_before = any(
+                t <= verdict["t"]
+                for t, text in sv.log.lines
+                if sv_mod.PROGRAM in text and "exited:" in text
+            )
+            false_ready.append(
+                {
+                    "ready": t_run,
+                    "decode_ok": verdict["decode_ok"],
+                    "still_ready": not exited_before,
+                    "detail": verdict["detail"],
+                }
+            )
         finally:
             sv.stop()
     ctx.say(f"  supervisord false ready: {_fr_count(false_ready)}/{len(false_ready)}")
@@ -603,26 +740,38 @@ def _fr_count(trials: list[dict[str, Any]]) -> int:
 def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
     s = ctx.s
     work = ctx.dir("supervisord-hang")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s,
-                       env=_hang_env(s))
+    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=_hang_env(s))
     spec = launch_spec(cfg, work)
     sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
     try:
         sv.start()
         sv.wait(sv_mod.RUNNING, 60)
-        obs = Observer(ctx.procs, int(cfg["sglang"]["port"]), fresh=False, mode="hang",
-                       window=s.hang_window, timeout=60)
+        obs = Observer(
+            ctx.procs,
+            int(cfg["sglang"]["port"]),
+            fresh=False,
+            mode="hang",
+            window=s.hang_window,
+            timeout=60,
+        )
         onset = float(obs.event("onset", timeout=70)["t"])
         window = obs.event("window", timeout=s.hang_window + 30)
         obs.close()
         assert sv.log is not None
         restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
-        trial = {"onset": onset, "detected": restarted, "watched_s": window["t"] - onset,
-                 "health": window["health"], "decode_ok_at_end": window["decode_ok_at_end"]}
+        trial = {
+            "onset": onset,
+            "detected": restarted,
+            "watched_s": window["t"] - onset,
+            "health": window["health"],
+            "decode_ok_at_end": window["decode_ok_at_end"],
+        }
     finally:
         sv.stop()
-    ctx.say(f"  supervisord hang: {'restarted' if trial['detected'] else 'not noticed'} "
-            f"in {trial['watched_s']:.0f} s")
+    ctx.say(
+        f"  supervisord hang: {'restarted' if trial['detected'] else 'not noticed'} "
+        f"in {trial['watched_s']:.0f} s"
+    )
     return [trial]
 
 
@@ -633,8 +782,9 @@ def systemd_faults(ctx: Ctx) -> dict[str, Any]:
     false_ready: list[dict[str, Any]] = []
     for i in range(s.false_ready_trials):
         work = _box_work(ctx, f"systemd-false-ready-{i}")
-        cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s,
-                           env={"STANDIN_FAULT": "seed-incident"})
+        cfg = bench_config(
+            work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
+        )
         spec = launch_spec(cfg, work)
         unit = f"standin-false-ready-{i}.service"
         box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
@@ -643,36 +793,54 @@ def systemd_faults(ctx: Ctx) -> dict[str, Any]:
             active = box.times(unit)["active"]
             verdict = _broken_check(ctx, int(cfg["sglang"]["port"]), box.prefix)
             state = box.show(unit, "ActiveState", "NRestarts")
-            false_ready.append({
-                "ready": active, "decode_ok": verdict["decode_ok"], "detail": verdict["detail"],
-                "still_ready": state.get("ActiveState") == "active"
-                and state.get("NRestarts") == "0",
-            })
+            false_ready.append(
+                {
+                    "ready": active,
+                    "decode_ok": verdict["decode_ok"],
+                    "detail": verdict["detail"],
+                    "still_ready": state.get("ActiveState") == "active"
+                    and state.get("NRestarts") == "0",
+                }
+            )
         finally:
             box.stop_unit(unit)
     ctx.say(f"  systemd false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
     work = _box_work(ctx, "systemd-hang")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s,
-                       env=_hang_env(s))
+    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=_hang_env(s))
     spec = launch_spec(cfg, work)
     unit = "standin-hang.service"
     box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
     try:
         box.start(unit)
-        obs = Observer(ctx.procs, int(cfg["sglang"]["port"]), fresh=False, mode="hang",
-                       window=s.hang_window, timeout=60, prefix=box.prefix)
+        obs = Observer(
+            ctx.procs,
+            int(cfg["sglang"]["port"]),
+            fresh=False,
+            mode="hang",
+            window=s.hang_window,
+            timeout=60,
+            prefix=box.prefix,
+        )
         onset = float(obs.event("onset", timeout=70)["t"])
         window = obs.event("window", timeout=s.hang_window + 30)
         obs.close()
         t = box.times(unit)
-        hang = [{"onset": onset, "detected": bool(t["restarts"]) or (t["noticed"] or 0) > onset,
-                 "watched_s": window["t"] - onset, "health": window["health"],
-                 "decode_ok_at_end": window["decode_ok_at_end"]}]
+        hang = [
+            {
+                "onset": onset,
+                "detected": bool(t["restarts"]) or (t["noticed"] or 0) > onset,
+                "watched_s": window["t"] - onset,
+                "health": window["health"],
+                "decode_ok_at_end": window["decode_ok_at_end"],
+            }
+        ]
     finally:
         box.stop_unit(unit)
-    ctx.say(f"  systemd hang: {'restarted' if hang[0]['detected'] else 'not noticed'} "
-            f"in {hang[0]['watched_s']:.0f} s")
+    ctx.say(
+        f"  systemd hang: {'restarted' if hang[0]['detected'] else 'not noticed'} "
+        f"in {hang[0]['watched_s']:.0f} s"
+    )
     return {"false_ready": false_ready, "hang": hang}
 
 
@@ -681,36 +849,57 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
     wait_s = s.load_s + s.poller_period + 30
     false_ready: list[dict[str, Any]] = []
     for i in range(s.false_ready_trials):
-        pr = PollerRun(ctx, ctx.dir(f"poller-false-ready-{i}"),
-                       env={"STANDIN_FAULT": "seed-incident"}, seed=10 + i)
+        pr = PollerRun(
+            ctx,
+            ctx.dir(f"poller-false-ready-{i}"),
+            env={"STANDIN_FAULT": "seed-incident"},
+            seed=10 + i,
+        )
         try:
             _, ready = pr.wait("ready", wait_s)
             verdict = _broken_check(ctx, pr.port)
-            unready = [e for e in pr.lines.find(lambda e: e.get("event") in ("unready", "died"))
-                       if e["t"] <= verdict["t"]]
-            false_ready.append({"ready": ready["t"], "decode_ok": verdict["decode_ok"],
-                                "detail": verdict["detail"], "still_ready": not unready})
+            unready = [
+                e
+                for e in pr.lines.find(lambda e: e.get("event") in ("unready", "died"))
+                if e["t"] <= verdict["t"]
+            ]
+            false_ready.append(
+                {
+                    "ready": ready["t"],
+                    "decode_ok": verdict["decode_ok"],
+                    "detail": verdict["detail"],
+                    "still_ready": not unready,
+                }
+            )
         finally:
             pr.stop()
     ctx.say(f"  poller false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
-    pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20,
-                   env=_hang_env(s))
+    pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20, env=_hang_env(s))
     try:
         pr.wait("ready", wait_s)
-        obs = Observer(ctx.procs, pr.port, fresh=False, mode="hang", window=s.hang_window,
-                       timeout=60)
+        obs = Observer(
+            ctx.procs, pr.port, fresh=False, mode="hang", window=s.hang_window, timeout=60
+        )
         onset = float(obs.event("onset", timeout=70)["t"])
         window = obs.event("window", timeout=s.hang_window + 30)
         obs.close()
-        noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died")
-                                and e["t"] > onset)
-        hang = [{"onset": onset, "detected": bool(noticed), "watched_s": window["t"] - onset,
-                 "health": window["health"], "decode_ok_at_end": window["decode_ok_at_end"]}]
+        noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died") and e["t"] > onset)
+        hang = [
+            {
+                "onset": onset,
+                "detected": bool(noticed),
+                "watched_s": window["t"] - onset,
+                "health": window["health"],
+                "decode_ok_at_end": window["decode_ok_at_end"],
+            }
+        ]
     finally:
         pr.stop()
-    ctx.say(f"  poller hang: {'noticed' if hang[0]['detected'] else 'not noticed'} "
-            f"in {hang[0]['watched_s']:.0f} s")
+    ctx.say(
+        f"  poller hang: {'noticed' if hang[0]['detected'] else 'not noticed'} "
+        f"in {hang[0]['watched_s']:.0f} s"
+    )
     return {"false_ready": false_ready, "hang": hang}
 
 
@@ -721,8 +910,13 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     work = ctx.dir("footprint")
     ns = NotifySocket(work / "notify.sock")
     kwork = ctx.dir("kimi", work)
-    ks = KimiServe(ctx.procs, kwork, bench_config(kwork, load_s=s.load_s, warmup_s=s.warmup_s),
-                   ns, env={"WATCHDOG_USEC": "30000000"})
+    ks = KimiServe(
+        ctx.procs,
+        kwork,
+        bench_config(kwork, load_s=s.load_s, warmup_s=s.warmup_s),
+        ns,
+        env={"WATCHDOG_USEC": "30000000"},
+    )
     sv = None
     out: dict[str, Any] = {}
     try:
@@ -740,9 +934,10 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
             targets[SUPERVISORD] = psutil.Process(sv.pid)
         cpu0 = {k: p.cpu_times() for k, p in targets.items()}
         t0 = time.time()
-        liveness0 = _metric(_get(ks.admin + "/metrics"),
-                            'kimi_serve_probe_duration_seconds_count{kind="liveness",'
-                            'outcome="ok"}')
+        liveness0 = _metric(
+            _get(ks.admin + "/metrics"),
+            'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}',
+        )
         rss: dict[str, list[float]] = {k: [] for k in targets}
         watchdog0 = ns.count(lambda m: m == "WATCHDOG=1")
         scrapes = 0
@@ -754,13 +949,18 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
             time.sleep(max(0.0, t0 + scrapes * s.scrape_every - time.time()))
         t1 = time.time()
         cpu1 = {k: p.cpu_times() for k, p in targets.items()}
-        liveness1 = _metric(_get(ks.admin + "/metrics"),
-                            'kimi_serve_probe_duration_seconds_count{kind="liveness",'
-                            'outcome="ok"}')
+        liveness1 = _metric(
+            _get(ks.admin + "/metrics"),
+            'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}',
+        )
         for k in targets:
             used = (cpu1[k].user + cpu1[k].system) - (cpu0[k].user + cpu0[k].system)
-            out[k] = {"rss_mib": rss[k], "cpu_s": used, "seconds": t1 - t0,
-                      "cpu_pct": 100 * used / (t1 - t0)}
+            out[k] = {
+                "rss_mib": rss[k],
+                "cpu_s": used,
+                "seconds": t1 - t0,
+                "cpu_pct": 100 * used / (t1 - t0),
+            }
         with contextlib.suppress(psutil.Error):
             out[KIMI]["uss_mib"] = targets[KIMI].memory_full_info().uss / 2**20
         out[KIMI]["liveness_probes"] = liveness1 - liveness0
@@ -773,4 +973,3 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
         ks.stop()
         ns.close()
     return out
-

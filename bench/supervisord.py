@@ -42,17 +42,33 @@ def ensure() -> Path:
         return exe
     base = Path(sys.base_prefix) / "bin" / "python3"
     try:
-        subprocess.run([str(base), "-m", "venv", "--clear", str(VENV)], check=True,
-                       capture_output=True, text=True, timeout=120)
         subprocess.run(
-            [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet",
-             "--disable-pip-version-check", f"supervisor=={VERSION}"],
-            check=True, capture_output=True, text=True, timeout=300,
+            [str(base), "-m", "venv", "--clear", str(VENV)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        subprocess.run(
+            [
+                str(VENV / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                f"supervisor=={VERSION}",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        raise Unavailable(f"cannot install supervisor=={VERSION} into {VENV}: "
-                          f"{detail.strip()[-300:]}") from None
+        raise Unavailable(
+            f"cannot install supervisor=={VERSION} into {VENV}: {detail.strip()[-300:]}"
+        ) from None
     STAMP.write_text(VERSION + "\n")
     return exe
 

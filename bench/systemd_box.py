@@ -56,8 +56,14 @@ class SystemdBox:
     def pid(self) -> int:
         return int(self.box.pid)
 
-    def install(self, name: str, argv: Sequence[str], env: Mapping[str, str],
-                workdir: Path, extra: Sequence[str] = ()) -> None:
+    def install(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        workdir: Path,
+        extra: Sequence[str] = (),
+    ) -> None:
         from testkit.box import exec_line
 
         lines = [
@@ -94,8 +100,14 @@ class SystemdBox:
         return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
 
     def times(self, name: str) -> dict[str, float | None]:
-        raw = self.show(name, "ActiveEnterTimestamp", "ExecMainStartTimestamp",
-                        "ActiveExitTimestamp", "NRestarts", "MainPID")
+        raw = self.show(
+            name,
+            "ActiveEnterTimestamp",
+            "ExecMainStartTimestamp",
+            "ActiveExitTimestamp",
+            "NRestarts",
+            "MainPID",
+        )
         return {
             "active": _stamp(raw.get("ActiveEnterTimestamp", "")),
             "started": _stamp(raw.get("ExecMainStartTimestamp", "")),
@@ -122,8 +134,9 @@ class SystemdBox:
                 return int(pid)
         raise BenchError(f"main pid {inner} of {name} not found among {procs}")
 
-    def wait_restarted(self, name: str, restarts_before: float, after: float,
-                       timeout: float) -> dict[str, float | None]:
+    def wait_restarted(
+        self, name: str, restarts_before: float, after: float, timeout: float
+    ) -> dict[str, float | None]:
         """Times once systemd has restarted the unit and called it active again."""
 
         def done() -> dict[str, float | None] | None:
