@@ -25,6 +25,10 @@ NVML_CALL_TIMEOUT = 10.0
 # nvmlEventSetWait blocks for its whole timeout when nothing happens (2.002 s for 2000 ms on
 # an H200): one slice is how late a stop or cancellation can be noticed.
 EVENT_SLICE_S = 1.0
+# While serving, fitness is also read again this often: a recovery action, a pending remap or a
+# volatile ECC count can change with no critical event of its own (and a GPU that is fit again
+# reads so in /status and the metrics without waiting for one).
+HEALTH_POLL_S = 5.0
 
 
 async def read(
@@ -119,16 +123,45 @@ class Monitor:
         self.log("gpu fault", line=line, restart=report.restart_needed)
         self.post(GpuFault(line, restart=report.restart_needed))
 
-    async def watch(self, events: EventSource, slice_s: float = EVENT_SLICE_S) -> None:
+    async def recheck(self) -> None:
+        """Fitness read again with no event: a GPU newly unfit (or needing another action) is
+        reported at once, as an event would have been; one that is unfit as before is not
+        reported again. A read that fails is left to the event wait, which reports a hung
+        driver."""
+        before = _unfit_key(self.last)
+        try:
+            report = await self.assess()
+        except NvmlUnavailable:
+            return
+        after = _unfit_key(report)
+        if after - before:
+            line = report.line()
+            self.log("gpu fault", line=line, restart=report.restart_needed)
+            self.post(GpuFault(line, restart=report.restart_needed))
+        elif before and not after:
+            self.log("gpu fit again", line=report.line())
+
+    async def watch(
+        self,
+        events: EventSource,
+        slice_s: float = EVENT_SLICE_S,
+        poll_s: float = HEALTH_POLL_S,
+    ) -> None:
         """The Xid watcher task: runs until cancelled; closes the event set on the way out.
 
         Each wait is one slice in the thread adapter, never on the loop. A wait that does not
         come back within the slice plus NVML_CALL_TIMEOUT means a hung driver: reported as a
-        fault of every managed GPU, and watching goes on.
+        fault of every managed GPU, and watching goes on. Every `poll_s` fitness is read
+        again (`recheck`).
         """
         ms = max(1, int(slice_s * 1000))
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + poll_s
         try:
             while True:
+                if loop.time() >= next_poll:
+                    await self.recheck()
+                    next_poll = loop.time() + poll_s
                 try:
                     got = await in_thread(lambda: events.wait(ms), slice_s + NVML_CALL_TIMEOUT)
                 except TimeoutError:
@@ -150,6 +183,13 @@ class Monitor:
             # close() waits for a wait in progress (at most one slice): never on the loop.
             with contextlib.suppress(TimeoutError, NvmlUnavailable):
                 await asyncio.shield(in_thread(events.close, slice_s + NVML_CALL_TIMEOUT))
+
+
+def _unfit_key(report: FitnessReport | None) -> frozenset[tuple[str, fitness.Action]]:
+    """What a report finds wrong: the unfit GPUs by UUID, with the action each needs."""
+    if report is None:
+        return frozenset()
+    return frozenset((f.uuid, f.action) for f in report.unfit)
 
 
 def health_source(nvml: object) -> HealthSource | None:

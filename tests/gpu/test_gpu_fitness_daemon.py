@@ -147,6 +147,23 @@ def test_a_lost_gpu_or_a_recovery_action_while_serving_restarts(tmp_path: Path, 
         assert metric(d, "kimi_serve_restarts_total", reason="gpu_fault") == 1
 
 
+def test_a_recovery_action_with_no_event_is_found_while_serving(tmp_path: Path) -> None:
+    # The driver may raise no critical event for it: the periodic read finds it
+    # (fitness_watch.HEALTH_POLL_S), and a GPU outside the fault reads fit throughout.
+    cfg = base_config(tmp_path, gpus={"manage": True})
+    env = sim_env(tmp_path)
+    with running(tmp_path, cfg, env=env) as d:
+        d.wait_state("ready")
+        (tmp_path / "health").write_text("1:recovery=1")
+        ev = d.wait_state("restarting", 30)
+        assert ev["reason"] == "gpu_fault", ev
+        assert ev["detail"].startswith(f"GPU 1 ({simulated_uuid(1)}) needs a reset"), ev
+        assert d.wait_state("failed")["reason"] == "gpu_unfit"
+        assert metric(d, "kimi_serve_gpu_healthy", gpu="1", UUID=simulated_uuid(1)) == 0
+        assert metric(d, "kimi_serve_gpu_healthy", gpu="0", UUID=simulated_uuid(0)) == 1
+        assert d.status()["restarts"] == {"gpu_fault": 1}
+
+
 @pytest.mark.slow
 def test_orphans_of_a_sigkilled_daemon_are_counted_with_their_gpus(tmp_path: Path) -> None:
     # A long load, quiet at first: SGLang's processes outlive the daemon (no write to a closed

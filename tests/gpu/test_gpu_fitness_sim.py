@@ -125,7 +125,9 @@ async def test_watcher_reports_xids_per_gpu_and_restarts_only_when_needed(tmp_pa
     m = Metrics()
     devices = tuple(range(GPUS - 1))  # GPU 7 is not ours
     mon = Monitor(s, devices, posted.append, gauge=m.set_gpu_healthy, count_xid=m.count_xid)
-    task = asyncio.get_running_loop().create_task(mon.watch(s.open_events(), slice_s=0.1))
+    # Events only: no fitness read without one during this test.
+    watch = mon.watch(s.open_events(), slice_s=0.1, poll_s=3600)
+    task = asyncio.get_running_loop().create_task(watch)
     try:
         # An application's Xid on GPU 1: reported, no restart.
         with xids.open("a") as f:
@@ -157,6 +159,42 @@ async def test_watcher_reports_xids_per_gpu_and_restarts_only_when_needed(tmp_pa
     assert sample(m, xid, gpu="7", UUID=simulated_uuid(7), xid="79") is None
     assert sample(m, "kimi_serve_gpu_healthy", gpu="4", UUID=simulated_uuid(4)) == 0
     assert mon.health_by_index()[4]["last_xid"]["xid"] == 79
+
+
+async def test_a_gpu_unfit_with_no_event_is_reported_once_at_the_next_read(
+    tmp_path: Path,
+) -> None:
+    # A recovery action, an ECC count: the driver may raise no critical event for them.
+    s, health, _ = sim(tmp_path, gpus=2)
+    posted: list[Any] = []
+    m = Metrics()
+    mon = Monitor(s, "all", posted.append, gauge=m.set_gpu_healthy)
+    await mon.assess()  # as before the launch: both fit
+    task = asyncio.get_running_loop().create_task(
+        mon.watch(s.open_events(), slice_s=0.05, poll_s=0.1)
+    )
+    healthy = "kimi_serve_gpu_healthy"
+    try:
+        health.write_text("1:recovery=1")
+        await until("the first report", lambda: len(posted) == 1)
+        assert posted[0].restart is True
+        assert posted[0].line.startswith(f"GPU 1 ({simulated_uuid(1)}) needs a reset")
+        assert mon.health_by_index()[1]["recovery_action"] != "none"
+        # GPU 1 unfit as before is not news; GPU 0 newly unfit is (after many more reads).
+        health.write_text("1:recovery=1,0:ecc=2")
+        await until("the second report", lambda: len(posted) == 2)
+        assert "GPU 0" in posted[1].line and "2 uncorrectable ECC error(s)" in posted[1].line
+        # Fit again: /status and the metric say so without an event; nothing is posted.
+        health.write_text("")
+        await until(
+            "GPU 1 healthy again",
+            lambda: sample(m, healthy, gpu="1", UUID=simulated_uuid(1)) == 1,
+        )
+        assert mon.health_by_index()[0]["ok"] is True and len(posted) == 2
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 async def test_watcher_cancel_returns_within_a_slice_and_never_blocks_the_loop(
