@@ -51,8 +51,10 @@ class LogPump:
         self._pending_launch: int | None = None  # the launch whose traceback awaits its end
 
     def configure(self, cfg: Config) -> None:
-        """A reloaded configuration: new fatal patterns and tail length."""
-        self.scanner = LogScanner(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
+        """A reloaded configuration: new fatal patterns and tail length. What the running launch
+        printed stays in the tail: a reload that relaunches nothing (or not yet) must not take
+        the lines before a later crash out of its restart record and incident."""
+        self.scanner = self.scanner.reconfigured(cfg.logs.fatal_patterns, cfg.logs.tail_lines)
 
     def new_launch(self) -> None:
         self.scanner.reset()

@@ -20,8 +20,11 @@ READY_LINE = "The server is fired up and ready to roll!"
 # the line on-call needs (the incident's `AttributeError: 'EAGLEWorkerV2' ...`), so the verdict
 # waits for that line (or a short settle timer in the daemon).
 _TRACEBACK_START = re.compile(r"Traceback \(most recent call last\)|hit an exception")
+# Python's last traceback line is `Name: message` or `Name` alone: a line that merely starts
+# with such a word ("Error handling request from ...", aiohttp's own log) is not one.
 _EXCEPTION_LINE = re.compile(
-    r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?(?=[A-Z])\w*(?:Error|Exception|Interrupt|Exit|Fault)\b"
+    r"^(?:\[[^\]]*\]\s*)*(?:[A-Za-z_][\w.]*\.)?(?=[A-Z])\w*(?:Error|Exception|Interrupt|Exit|Fault)"
+    r"(?::|$)"
 )
 
 # SGLang's soft watchdog prints the hard watchdog's text with `soft=True` and only dumps state
@@ -132,6 +135,15 @@ class LogScanner:
 
     def tail(self) -> list[str]:
         return list(self._tail)
+
+    def reconfigured(self, fatal_patterns: Iterable[str], tail_lines: int) -> LogScanner:
+        """A scanner with a reloaded configuration that goes on with this launch: its tail (the
+        next restart's `log_tail`), a traceback still waiting for its last line, the evidence."""
+        out = LogScanner(fatal_patterns, tail_lines)
+        out._tail.extend(self._tail)
+        out._pending, out._head = self._pending, self._head
+        out.evidence, out.lines = self.evidence, self.lines
+        return out
 
     def reset(self) -> None:
         """A new launch: its tail starts empty, so a restart's tail is that launch's alone."""

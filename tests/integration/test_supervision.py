@@ -297,6 +297,22 @@ def test_reload_restarts_on_change_and_keeps_running_on_bad_config(tmp_path: Pat
         assert d.status()["restarts"] == {"reload": 1}
 
 
+def test_a_reload_keeps_the_running_launch_s_log_tail(tmp_path: Path) -> None:
+    # A reload that relaunches nothing must not empty the tail: a crash after it is reported
+    # with what SGLang printed before the reload too.
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        d.signal(signal.SIGHUP)
+        d.wait_for(lambda e: "unchanged" in e.get("event", ""), what="unchanged reload")
+        os.kill(d.sglang_pid(), signal.SIGKILL)
+        ev = d.wait_state("restarting")
+        assert ev["reason"] == "exited"
+        tail = d.status()["last_restart"]["log_tail"]
+        # The stand-in's lines from its start, long before the reload (its model load).
+        assert any("Load weight" in line for line in tail), tail
+
+
 def test_daemon_sigkill_then_restart_finds_previous_launch(tmp_path: Path) -> None:
     cfg = base_config(tmp_path)
     path = tmp_path / "first"
