@@ -60,7 +60,8 @@ async def clean(
                 "removing processes of an earlier launch",
                 pids=sorted(i.pid for i in recorded | marked),
             )
-        # Always reported, empty when nothing was left: /status.leftovers is this cleaning's.
+        # Always reported, empty when nothing was left (Observed sums the cleanings up to a
+        # launch).
         sweep = await gpu.sweep_leftovers(owner.sweep, nvml, recorded, marked)
         observed.swept(sweep)
         if sweep.stuck:

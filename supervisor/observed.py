@@ -57,8 +57,11 @@ class Observed:
         self.log = log.get()
         self.nvml: Nvml | None = None
         self.monitor: Monitor | None = None  # GPU fitness, when the daemon watches it
-        self.sweep_report: SweepReport | None = None
-        self.clean_report: CleanReport | None = None
+        # /status.leftovers: every leftover removed before the last launch, summed over the
+        # cleanings before it (a held port or busy GPU retries the cleaning, and a retry that
+        # finds nothing more must not hide what the first one killed).
+        self.leftovers: dict[str, Any] = gpu.leftover_status(None, None)
+        self._launched_since_cleaning = True
         self.child: Child | None = None
         self.sglang_version = "unknown"
         self.since_unix = wall()
@@ -194,15 +197,17 @@ class Observed:
     def swept(self, report: SweepReport) -> None:
         """The launch record's and owner marker's leftovers, killed before GPU cleaning: each
         counted with the GPU it held (gpu "none" when it held no GPU memory)."""
-        self.sweep_report = report
-        self.clean_report = None
+        if self._launched_since_cleaning:
+            self.leftovers = gpu.leftover_status(None, None)
+            self._launched_since_cleaning = False
+        self._add_leftovers(gpu.leftover_status(report, None))
         self.metrics.count_leftovers(report.killed_rows())
         if report.processes or report.stuck:
             self.log.warning("leftovers of an earlier launch", message=report.message())
 
     def cleaned(self, report: CleanReport) -> None:
         self.host = report.to_dict()
-        self.clean_report = report
+        self._add_leftovers(gpu.leftover_status(None, report))
         self.metrics.count_leftovers(report.killed_rows())
         if report.release_seconds is not None:
             self.metrics.gpu_release.set(report.release_seconds)
@@ -231,8 +236,15 @@ class Observed:
             ],
         }
 
+    def _add_leftovers(self, part: dict[str, Any]) -> None:
+        killed = self.leftovers["killed"]
+        for g, n in part["killed"].items():
+            killed[g] = killed.get(g, 0) + n
+        self.leftovers["processes"] += part["processes"]
+
     def launched(self, child: Child) -> None:
         self.child = child
+        self._launched_since_cleaning = True
         self.metrics.child_starts.inc()
         self.metrics.child_start_time.set(child.started_at)
 
@@ -321,7 +333,7 @@ class Observed:
             "liveness_failures": ctx.liveness_failures,
             "gpus": self.gpu_status(),
             "host": self.host,
-            "leftovers": gpu.leftover_status(self.sweep_report, self.clean_report),
+            "leftovers": self.leftovers,
             "intent": self.intent,
             "events": list(self.events),
             "router": unlinked_status() if self.router is None else self.router.status(),
