@@ -30,7 +30,7 @@ from supervisor.command import build
 from supervisor.config import Config
 from supervisor.sglang import run_sglang_parser
 
-from .conftest import KUBERNETES, OVERLAYS, render
+from .conftest import KUBERNETES, OVERLAYS, REPO_ROOT, render
 
 # The oldest release the manifests use fields of (PodDisruptionBudget's
 # unhealthyPodEvictionPolicy is GA in 1.31), and the newest the validator ships schemas for.
@@ -258,6 +258,12 @@ def test_the_configmap_config_checks_ok(rendered: dict[str, list[dict[str, Any]]
     assert got["leader"].sglang.args["node-rank"] == "0"
     assert got["worker"].sglang.args["node-rank"] == "1"
     assert got["worker"].sglang.args["dist-init-addr"] == "kimi-serve-0.kimi-serve.default:20000"
+    # SGLang's environment as the shipped host config has it (SPT_NOENV keeps the owner marker
+    # readable in the titled workers, docs/sglang.md).
+    shipped = config.load(str(REPO_ROOT / "etc" / "kimi-serve.yaml")).sglang.env
+    assert shipped["SPT_NOENV"] == "1"
+    for role, cfg in got.items():
+        assert cfg.sglang.env == shipped, role
 
 
 def test_the_multi_node_config_needs_the_lws_environment(

@@ -199,6 +199,9 @@ def test_exception_lines_end_a_pending_traceback(last: str) -> None:
         "[2026-11-30 01:02:03 TP1] Load weight begin.",
         READY_LINE,
         "Scheduler watchdog timeout",  # a second fatal line while the record is still open
+        # Words that only look like an exception's name: aiohttp's and a logger's own lines.
+        "Error handling request from 127.0.0.1",
+        "Exception in ASGI application",
     ],
 )
 def test_traceback_body_lines_keep_it_pending(line: str) -> None:
@@ -420,3 +423,15 @@ def test_the_abort_of_our_own_probe_is_not_the_incident_s_exception() -> None:
     # A client's own request id is SGLang's business: shown.
     other = tail[-1].replace(rid, "user-42")
     assert exception_line([other]) == other.strip()
+
+
+def test_a_line_that_only_starts_like_an_exception_name_is_not_one() -> None:
+    # aiohttp logs "Error handling request from ..." before the traceback of a bad request;
+    # that traceback's own last line is the exception, not the line before it.
+    tail = [
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "Error handling request from 127.0.0.1",
+        "Traceback (most recent call last):",
+        '  File "web_protocol.py", line 1, in data_received',
+    ]
+    assert exception_line(tail) == tail[0]
