@@ -242,6 +242,9 @@ class Config:
     )
     router: RouterConfig = RouterConfig()
     group: GroupConfig = GroupConfig()
+    # The line of every key in the file ("sglang.args.tp-size" -> 5), for errors found after
+    # parsing (SGLang's own parser rejecting a flag). Not part of what a reload compares.
+    key_lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def profile(self, name: str) -> Profile:
         if name == PRIMARY:
@@ -1167,6 +1170,7 @@ def parse(text: str, file: str) -> Config:
         logging=_logging(r, top.get("logging")),
         incidents=_incidents(r, top.get("incidents"), state_dir),
         router=_router(r, top.get("router"), sglang),
+        key_lines=marks,
     )
     cfg = replace(cfg, group=_group(r, top.get("group"), cfg))
     restart_raw = top.get("restart")

@@ -154,6 +154,12 @@ def _where(cfg: Config, profile: str, flag: str) -> str:
     return f"sglang.args.{flag}"
 
 
+def _at(cfg: Config, key: str) -> str:
+    """`key in file:line`, as a config error names a key (the line where the file has one)."""
+    line = cfg.key_lines.get(key)
+    return f"{key} in {cfg.path}:{line}" if line else f"{key} in {cfg.path}"
+
+
 def check_interpreter(python: str) -> Check:
     name = "interpreter"
     if os.sep not in python:
@@ -444,7 +450,7 @@ def _parser_check(
             if any(flag.startswith(f"--{n}") for flag in named)
         ]
         if keys:
-            lines.append(f"(set at {', '.join(dict.fromkeys(keys))} in {cfg.path})")
+            lines.append(f"(set at {', '.join(_at(cfg, k) for k in dict.fromkeys(keys))})")
     warnings = [f"{c.what}: {c.hint}" for c in known_changes(flags) if not c.rejected]
     warnings += [
         f"{short}: accepted only as an abbreviation of {full}; write {full[2:]} in full (a new "

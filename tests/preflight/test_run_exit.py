@@ -63,6 +63,11 @@ def test_run_exits_78_on_a_rejected_flag(
     messages = " ".join(str(e) for e in events)
     assert sglang_says in messages
     assert hint in messages
+    # The key the flag came from, with its line, as a config error names it.
+    flag = next(iter(args))
+    lines = path.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.strip().startswith(f"{flag}:"))
+    assert f"(set at sglang.args.{flag} in {path}:{line})" in messages
     # Nothing was launched.
     assert not any(e.get("event") == "launched sglang" for e in events)
     assert not owned_processes(str((tmp_path / "state").resolve()))
