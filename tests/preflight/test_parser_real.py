@@ -9,12 +9,13 @@ import dataclasses
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from supervisor import preflight, sglang
+from supervisor import preflight, reload, sglang
 from supervisor.command import build
-from supervisor.config import load
+from supervisor.config import ConfigError, load
 from supervisor.preflight import EX_CONFIG, Check, run_checks
 from supervisor.sglang import run_sglang_parser
 
@@ -208,3 +209,19 @@ def test_sglang_version_for_config(sglang_python: str, make_config: MakeConfig) 
     assert preflight.sglang_version_for(make_config(python=sglang_python)) == "0.5.23"
     standin = make_config(python=sglang_python, module="supervisor.standin")
     assert preflight.sglang_version_for(standin) is None
+
+
+def test_a_reload_with_a_rejected_flag_says_all_of_it(
+    sglang_python: str, make_config: MakeConfig
+) -> None:
+    # The refusal is one log line: the hint and the key with its line must not be cut off, as
+    # the one-line STATUS= summary is.
+    cfg = make_config(python=sglang_python, args={"cuda-graph-max-bs": 128})
+    lines = Path(cfg.path).read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if t.strip().startswith("cuda-graph-max-bs:"))
+    with pytest.raises(ConfigError) as err:
+        reload._read(cfg.path)
+    text = err.value.render()
+    assert "ambiguous option: --cuda-graph-max-bs" in text
+    assert "cuda-graph-max-bs-decode" in text  # the hint
+    assert f"(set at sglang.args.cuda-graph-max-bs in {cfg.path}:{line})" in text
