@@ -108,9 +108,7 @@ class Monitor:
         try:
             report = await self.assess()
         except NvmlUnavailable as exc:
-            line = f"GPU {event.index} ({event.uuid}): {event.describe()}; {exc}"
-            self.log("gpu fault", line=line, restart=True)
-            self.post(GpuFault(line, restart=True))
+            self._fault(f"GPU {event.index} ({event.uuid}): {event.describe()}; {exc}", True)
             return
         bad = report.unfit
         if event.kind == "ecc_single_bit" and not bad:
@@ -120,8 +118,12 @@ class Monitor:
         line = report.line() if bad else f"{what}; the driver asks for no action"
         if bad and event.uuid not in {f.uuid for f in bad}:
             line = f"{what}; {line}"
-        self.log("gpu fault", line=line, restart=report.restart_needed)
-        self.post(GpuFault(line, restart=report.restart_needed))
+        self._fault(line, report.restart_needed)
+
+    def _fault(self, line: str, restart: bool) -> None:
+        """Logged and told to the machine, which decides what a restart means now."""
+        self.log("gpu fault", line=line, restart=restart)
+        self.post(GpuFault(line, restart=restart))
 
     async def recheck(self) -> None:
         """Fitness read again with no event: a GPU newly unfit (or needing another action) is
@@ -135,9 +137,7 @@ class Monitor:
             return
         after = _unfit_key(report)
         if after - before:
-            line = report.line()
-            self.log("gpu fault", line=line, restart=report.restart_needed)
-            self.post(GpuFault(line, restart=report.restart_needed))
+            self._fault(report.line(), report.restart_needed)
         elif before and not after:
             self.log("gpu fit again", line=report.line())
 

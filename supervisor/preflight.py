@@ -94,6 +94,13 @@ class Check:
             line += "".join(f"\n{'':27}{part}" for part in self.hint.splitlines())
         return line
 
+    def one_line(self) -> str:
+        """Name, message and hint on one line (a log line, STATUS=)."""
+        text = f"{self.name}: {self.message}"
+        if self.hint:
+            text += " | hint: " + " ".join(self.hint.split())
+        return text
+
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "status": self.status}
 
@@ -118,10 +125,7 @@ def summary(checks: Sequence[Check], limit: int = 400) -> str:
         return f"preflight ok ({len(checks)} checks{extra})"
     first = failed[0]
     more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
-    text = f"preflight {first.kind} problem{more}: {first.name}: {first.message}"
-    if first.hint:
-        text += " | hint: " + " ".join(first.hint.split())
-    text = " ".join(text.split())
+    text = " ".join(f"preflight {first.kind} problem{more}: {first.one_line()}".split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

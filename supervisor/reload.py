@@ -33,13 +33,8 @@ def _read(path: str) -> Config:
     if problems:
         # Each problem whole, its hint and the key and line it came from included: the log line
         # is all an operator gets for a refused reload (STATUS= has the one-line summary).
-        raise ConfigError(path, [ConfigIssue("", None, _problem(c)) for c in problems])
+        raise ConfigError(path, [ConfigIssue("", None, c.one_line()) for c in problems])
     return new
-
-
-def _problem(check: preflight.Check) -> str:
-    hint = " | ".join(line.strip() for line in check.hint.splitlines() if line.strip())
-    return f"{check.name}: {check.message}" + (f" | {hint}" if hint else "")
 
 
 async def read(path: str, timeout: float = RELOAD_TIMEOUT_S) -> Config | ConfigError:
