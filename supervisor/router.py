@@ -804,7 +804,9 @@ def link_for(
 
 
 def _sglang_url(cfg: Config) -> str:
-    return f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+    # One builder for SGLang's URL: an IPv6 host is bracketed and a wildcard bind is reached
+    # on loopback ("::" once gave http://:::30000/metrics for the drain wait).
+    return server_url(cfg.sglang.host, cfg.sglang.port)
 
 
 def relink(

@@ -8,14 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from supervisor import config
+from supervisor.metrics import Metrics
 from supervisor.router import (
     DrainResult,
     Failure,
     answer_drain,
     backoff,
+    link_for,
     parse_added,
     parse_load,
     parse_workers,
@@ -200,3 +204,33 @@ async def test_a_drain_without_a_router_waits_and_says_for_what() -> None:
     refused = await answer_drain(None, lambda: "nothing to drain", idle, what)
     assert refused.status == 409 and refused.body["error"] == "nothing to drain"
     assert waits == ["waited"]
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("::", "http://[::1]:30001"),
+        ("::1", "http://[::1]:30001"),
+        ("0.0.0.0", "http://127.0.0.1:30001"),
+        ("fd00::5", "http://[fd00::5]:30001"),
+        ("10.0.0.7", "http://10.0.0.7:30001"),
+    ],
+)
+def test_the_links_sglang_url_is_bracketed_and_reachable(host: str, url: str) -> None:
+    """The drain wait reads SGLang's /metrics at this URL: a wildcard or IPv6 bind must give
+    a URL httpx can reach (`::` once gave `http://:::30001/metrics`)."""
+    cfg = parse(
+        "router:\n  url: http://10.0.0.5:30080\n  worker_url: http://w:1\n", host=f'"{host}"'
+    )
+    link = link_for(cfg, log=_Quiet(), metrics=Metrics(CollectorRegistry()))
+    assert link is not None
+    assert link.sglang_url == url
+    assert httpx.URL(link.sglang_url + "/metrics").port == 30001
+
+
+class _Quiet:
+    def info(self, event: str, **kw: object) -> None:
+        pass
+
+    def warning(self, event: str, **kw: object) -> None:
+        pass
