@@ -14,10 +14,8 @@ from typing import Any, TextIO, cast
 from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
-from supervisor.preflight import EX_CONFIG
+from supervisor.exits import EX_CONFIG, EX_FAIL, EX_OK
 
-EX_OK = 0
-EX_FAIL = 1
 # `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py;
 # `restart`, `drain`, `undrain` theirs (0, 1 refused, 4 unreachable, 77 no permission):
 # see supervisor/control.py.

@@ -14,8 +14,7 @@ from typing import TextIO
 import httpx
 
 from supervisor import admin_token
-
-EX_DONE, EX_REFUSED, EX_UNREACHABLE, EX_NOPERM = 0, 1, 4, 77
+from supervisor.exits import EX_DONE, EX_NOPERM, EX_REFUSED, EX_UNREACHABLE
 
 WHAT = {
     "restart": "restart SGLang (reason manual); the relaunch takes as long as a model load",

@@ -33,6 +33,7 @@ from supervisor import (
 )
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
+from supervisor.exits import EX_CONFIG
 from supervisor.launcher import Launcher
 from supervisor.logpump import LogPump
 from supervisor.machine import (
@@ -81,7 +82,6 @@ from supervisor.machine import (
 from supervisor.notify import watchdog_interval
 from supervisor.nvml import Nvml
 from supervisor.observed import Observed
-from supervisor.preflight import EX_CONFIG
 from supervisor.recorder import IncidentRecorder
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.

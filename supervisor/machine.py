@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from supervisor.config import PRIMARY, Config
+from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
 from supervisor.probe import ProbeResult
 
 
@@ -458,10 +459,6 @@ Action = (
 # time limit (docs/sglang.md, "Shutdown").
 _REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
 PROBE_RETRY_DELAY = 0.25
-# restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
-# EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in
-# RestartPreventExitStatus= and which means "do not retry"; not 1, which an internal error gives.
-EX_RESTART_BY_ORCHESTRATOR = 75
 ILLEGAL = "illegal transition"
 
 

@@ -37,6 +37,7 @@ import psutil
 
 from supervisor.command import LaunchSpec, build
 from supervisor.config import PRIMARY, ArgValue, Config
+from supervisor.exits import EX_CONFIG, EXIT_HOST
 from supervisor.sglang import (
     KNOWN_ENV,
     PARSER_TIMEOUT,
@@ -57,9 +58,6 @@ from supervisor.sglang import (
 CONFIG: Literal["config"] = "config"
 HOST: Literal["host"] = "host"
 CheckKind = Literal["config", "host"]
-
-EX_CONFIG = 78  # EX_CONFIG from sysexits.h; the contract's exit status for a config problem
-EXIT_HOST = 1  # `kimi-serve preflight`: the host is not ready (yet)
 
 
 # --------------------------------------------------------------------------------------------

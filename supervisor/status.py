@@ -9,7 +9,8 @@ from typing import Any, TextIO
 
 import httpx
 
-EX_READY, EX_NOT_READY, EX_UNREACHABLE = 0, 3, 4
+from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
+
 TAIL_SHOWN = 25
 
 

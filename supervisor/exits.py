@@ -1,0 +1,25 @@
+"""Every exit status kimi-serve gives, in one place (README's CLI table says which command
+gives which). sysexits.h names where one fits: systemd's unit and Kubernetes read them."""
+
+from __future__ import annotations
+
+EX_OK = 0
+# An internal error, a failed probe or cleaning, a refused request; `preflight`: host not ready.
+EX_FAIL = 1
+EXIT_HOST = EX_FAIL
+# `status`: the daemon answered and is not ready; the daemon could not be reached.
+EX_NOT_READY = 3
+EX_UNREACHABLE = 4
+# restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
+# EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in
+# RestartPreventExitStatus= and which means "do not retry"; not 1, which an internal error gives.
+EX_RESTART_BY_ORCHESTRATOR = 75
+# sysexits' EX_NOPERM: the admin token is unreadable for this user, or the daemon rejected it.
+EX_NOPERM = 77
+# sysexits' EX_CONFIG: the contract's exit status for a config problem (RestartPreventExitStatus=).
+EX_CONFIG = 78
+
+# The names the commands use for them.
+EX_READY = EX_OK
+EX_DONE = EX_OK
+EX_REFUSED = EX_FAIL
