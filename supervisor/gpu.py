@@ -844,6 +844,10 @@ def leftover_status(sweep: SweepReport | None, clean: CleanReport | None) -> dic
 def _daemon_uid(state_dir: str) -> int:
     # The daemon's user owns its state directory (systemd's StateDirectory= chowns it to User=):
     # an operator running gpu-clean as root must still treat only that user's processes as ours.
+    # Anyone else can signal only their own processes: theirs are the ones that count (a pod's
+    # `kubectl exec` runs as the daemon's user, in a state directory the kubelet made root's).
+    if os.geteuid() != 0:
+        return os.getuid()
     try:
         return os.stat(state_dir).st_uid
     except OSError:
