@@ -128,3 +128,28 @@ def test_the_log_pump_keeps_and_forwards_the_line_redacted() -> None:
     pump.lines(1, Stream.STDERR, [SERVER_ARGS_LINE])
     assert KEY not in "\n".join(pump.tail()) and "server_args=" in pump.tail()[-1]
     assert recorded and KEY not in recorded[0]
+
+
+async def test_the_key_goes_to_sglang_only_and_never_over_another_token() -> None:
+    import httpx
+
+    seen: dict[str, str | None] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen[str(request.url)] = request.headers.get("authorization")
+        return httpx.Response(200)
+
+    auth = sglang_key.Bearer("http://127.0.0.1:30000", KEY)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), auth=auth) as client:
+        await client.post("http://127.0.0.1:30000/generate")
+        await client.get("http://127.0.0.1:30000/server_info")
+        await client.get("http://10.0.0.2:29400/group", headers={"Authorization": "Bearer g"})
+        await client.get("http://127.0.0.1:29400/status")  # another port: not SGLang
+        await client.post("http://router:30000/workers")
+    assert seen == {
+        "http://127.0.0.1:30000/generate": f"Bearer {KEY}",
+        "http://127.0.0.1:30000/server_info": f"Bearer {KEY}",
+        "http://10.0.0.2:29400/group": "Bearer g",
+        "http://127.0.0.1:29400/status": None,
+        "http://router:30000/workers": None,
+    }
