@@ -153,3 +153,28 @@ async def test_the_key_goes_to_sglang_only_and_never_over_another_token() -> Non
         "http://127.0.0.1:29400/status": None,
         "http://router:30000/workers": None,
     }
+
+
+def test_check_warns_about_a_key_on_the_command_line(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "kimi-serve.yaml"
+    cfg_file.write_text(
+        yaml.safe_dump(
+            {
+                "sglang": {
+                    "model_path": "/models/kimi",
+                    "args": {"api-key": KEY},
+                    "env": {"SPT_NOENV": "1"},
+                },
+                "state_dir": str(tmp_path),
+            }
+        )
+    )
+    done = subprocess.run(
+        [str(KIMI_SERVE), "check", "--config", str(cfg_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "sglang.args api-key (profile primary) is on SGLang's command line" in done.stderr
+    assert "sglang.api_key_file" in done.stderr and KEY not in done.stdout + done.stderr
