@@ -207,7 +207,9 @@ async def crash_phase(
         rec = set(record.processes) if record else set()
         t0 = time.monotonic()
         # As the daemon's cleaning (host.clean): the record, its session, the owner marker.
-        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, rec, owner.leftovers(rec) - rec)
+        sweep = await gpu.sweep_leftovers(
+            owner.sweep, nvml, rec, owner.evident(rec), match=("sglang",), owner=marker
+        )
         t_sweep = time.monotonic() - t0
         metrics.count_leftovers(sweep.killed_rows())
         cfg = GpusConfig(

@@ -321,7 +321,7 @@ def main() -> int:
             ),
             Spec("launch_server", args.gib, ["launch_server", "--tp-size", "1"], "leftover", True),
             Spec("recorded worker", args.gib / 2, ["model_worker"], "leftover", True, record=True),
-            Spec("recorded, no GPU", 0, ["detokenizer"], "leftover", True, record=True),
+            Spec("recorded, no GPU", 0, ["sglang::detokenizer"], "leftover", True, record=True),
             Spec("foreign", 0.25, ["trainer", "--epochs", "1"], "foreign", False),
         ]
     )

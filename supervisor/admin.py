@@ -102,6 +102,11 @@ SGLANG_TEXT_KEYS = frozenset(
     {"log_tail", "detail", "error", "last_error", "status_line", "text", "stacks", "traceback"}
 )
 
+# A process's details beyond pid, program name and whether it is ours: left out of /status
+# without a token (the reason may name the user: "runs as alice, not the daemon's uid").
+PROCESS_KEYS = frozenset({"cmdline", "user", "reason", "ppid"})
+CLEAN_TEXT_KEYS = frozenset({"message", "wedged"})
+
 UNAUTHORIZED = "401: missing or wrong admin token (Authorization: Bearer <admin.token_file>)\n"
 
 
@@ -161,12 +166,26 @@ def _endpoint(request: web.Request) -> str:
 
 
 def redact(doc: Any) -> Any:
-    """The /status document without SGLang's text (see SGLANG_TEXT_KEYS), at any depth."""
+    """The /status document without SGLang's text (see SGLANG_TEXT_KEYS), at any depth, and
+    with every process on the GPUs as pid, program name and ours-or-foreign only (see
+    PROCESS_KEYS): a foreign process's command line and user are someone else's business."""
     if isinstance(doc, dict):
-        return {k: redact(v) for k, v in doc.items() if k not in SGLANG_TEXT_KEYS}
+        out = {k: redact(v) for k, v in doc.items() if k not in SGLANG_TEXT_KEYS}
+        if "cmdline" in doc:
+            out = {k: v for k, v in out.items() if k not in PROCESS_KEYS}
+            out["name"] = program_name(str(doc.get("cmdline") or ""))
+        if "found" in doc:  # a cleaning report: its message and wedged lines quote them
+            out = {k: v for k, v in out.items() if k not in CLEAN_TEXT_KEYS}
+        return out
     if isinstance(doc, list):
         return [redact(v) for v in doc]
     return doc
+
+
+def program_name(cmdline: str) -> str:
+    """What `ps -o comm` would say, near enough: the program's base name, no arguments."""
+    first = cmdline.split(maxsplit=1)[0] if cmdline.strip() else ""
+    return first.rsplit("/", 1)[-1][:64]
 
 
 def build_app(
@@ -266,7 +285,7 @@ def build_app(
         doc = backend.status_document()
         if not request[AUTHENTICATED]:
             doc = redact(doc)
-            doc["redacted"] = sorted(SGLANG_TEXT_KEYS)
+            doc["redacted"] = sorted(SGLANG_TEXT_KEYS | PROCESS_KEYS | CLEAN_TEXT_KEYS)
         return web.json_response(doc, dumps=_dumps)
 
     async def restart(_: web.Request) -> web.Response:

@@ -131,7 +131,7 @@ def _token_file_problem(cfg: Config) -> str | None:
 def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import httpx
 
-    from supervisor import command
+    from supervisor import command, sglang_key
     from supervisor.probe import probe, server_url
 
     cfg = _load(args, err)
@@ -140,8 +140,15 @@ def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     url = args.url or server_url(cfg.sglang.host, cfg.sglang.port)
     speculative = command.build(cfg).speculative
 
+    try:
+        # Root's CLI reads the service user's key file as it is (owner aside).
+        auth = sglang_key.auth_for(cfg, url, owners=())
+    except sglang_key.KeyFileError as exc:
+        print(f"error: sglang.api_key_file: {exc}", file=err)
+        return EX_CONFIG
+
     async def once() -> Any:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx.AsyncClient(trust_env=False, auth=auth) as client:
             return await probe(client, url, cfg.readiness.probe, speculative)
 
     result = asyncio.run(once())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from supervisor import redact
 from supervisor.config import PRIMARY, ArgValue, Config, tp_size
 
 
@@ -27,10 +29,15 @@ class LaunchSpec:
         return algo not in (None, False, "", "NONE", "none")
 
     def shell(self) -> str:
-        return shlex.join(self.argv)
+        """The command line to show or log: secret flags' values as <redacted>."""
+        return shlex.join(redact.argv(self.argv))
 
     def env_lines(self) -> list[str]:
-        return [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        """The environment to show: a secret's value (HF_TOKEN, ...) as <redacted>."""
+        return [
+            f"{k}={redact.REDACTED if redact.is_secret_flag(k) else shlex.quote(v)}"
+            for k, v in sorted(self.env.items())
+        ]
 
 
 def _format(value: str | int | float) -> str:
@@ -85,6 +92,10 @@ def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
     ]
     for name, value in args.items():
         argv.extend(flag_tokens(name, value))
+    if cfg.sglang.api_key_file:
+        # The key itself stays off the command line (every local user's `ps` shows it):
+        # SGLang reads it from this file, which the launcher writes (supervisor/sglang_key.py).
+        argv.extend(["--config", secrets_path(cfg.state_dir)])
     return LaunchSpec(
         profile=profile,
         argv=tuple(argv),
@@ -100,9 +111,25 @@ def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
 SPT_NOENV = "SPT_NOENV"
 
 
+SECRETS_FILE = "sglang-secrets.yaml"
+
+
+def secrets_path(state_dir: str) -> str:
+    """Where the launcher puts SGLang's API key for `--config` (mode 0600)."""
+    return str(Path(state_dir) / SECRETS_FILE)
+
+
 def launch_warnings(cfg: Config) -> list[str]:
     """Things worth fixing in a valid config: one line each, naming the key."""
     out = []
+    for profile in cfg.profile_names:
+        for name in merged_args(cfg, profile):
+            if redact.is_secret_flag(name):
+                out.append(
+                    f"{cfg.path}: sglang.args {name} (profile {profile}) is on SGLang's command "
+                    "line, which every local user's `ps` shows: put an API key in "
+                    "sglang.api_key_file instead"
+                )
     for profile in cfg.profile_names:
         if merged_env(cfg, profile).get(SPT_NOENV) != "1":
             where = "sglang.env" if profile == PRIMARY else f"sglang.env / profiles.{profile}.env"

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -69,6 +70,9 @@ class SGLangConfig:
     args: Mapping[str, ArgValue]
     env: Mapping[str, str]
     workdir: str | None
+    # SGLang's --api-key, from a file; handed over in <state_dir>/sglang-secrets.yaml, never
+    # on the command line (supervisor/sglang_key.py).
+    api_key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -620,7 +624,12 @@ def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str 
 def _sglang(r: _Reader, raw: object) -> SGLangConfig:
     p = "sglang"
     s = r.section(
-        raw, p, ("python", "module", "model_path", "host", "port", "args", "env", "workdir")
+        raw,
+        p,
+        (
+            *("python", "module", "model_path", "host", "port", "args", "env", "workdir"),
+            "api_key_file",
+        ),
     )
     if raw is None:
         r.error(p, "is required but missing (at least sglang.model_path)")
@@ -634,6 +643,7 @@ def _sglang(r: _Reader, raw: object) -> SGLangConfig:
         args=_args(r, s.get("args"), f"{p}.args"),
         env={k: v for k, v in env.items() if v is not None},
         workdir=r.get(s, p, "workdir", _opt_string, None),
+        api_key_file=r.get(s, p, "api_key_file", _opt_key_file, None),
     )
 
 
@@ -873,6 +883,30 @@ def _readable_file(value: object) -> str:
         raise ValueError(f"{text!r} is not readable by this user") from None
     except OSError as exc:
         raise ValueError(f"{text!r} cannot be read: {exc.strerror}") from None
+    return text
+
+
+def key_file_problem(st: os.stat_result) -> str:
+    """Why a file holding a secret may leak or be swapped; "" when its mode is fine."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007:
+        return f"is mode {mode:04o}: others may read or write it (0600, 0400 or 0440 is required)"
+    if mode & 0o020:
+        return f"is mode {mode:04o}: its group may write it (0600, 0400 or 0440 is required)"
+    return ""
+
+
+def _opt_key_file(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _readable_file(value)
+    if not os.path.isabs(text):
+        raise ValueError(f"{text!r} must be an absolute path")
+    problem = key_file_problem(os.stat(text))
+    if problem:
+        raise ValueError(f"{text!r} {problem}")
     return text
 
 

@@ -130,6 +130,7 @@ class Daemon:
             self.emit,
             self._spawn,
             self.router,
+            http=fx.http,
         )
         self.launcher.recorder = self.recorder
         fx.owner.bind(self.pump.lines, self.launcher.exited)

@@ -168,11 +168,13 @@ def _decide(
     daemon_uid: int,
     owner: str | None,
     session: int | None = None,
+    distrusted: str = "",
 ) -> tuple[Kind, bool, str]:
     joined = " ".join(f.cmdline)
     hit = next((m for m in match if m in joined), None)
     other_daemon = owner is not None and f.owner is not None and f.owner != owner
-    mine = owner is not None and f.owner == owner
+    # The marker is an environment variable anyone can set: it counts under our uid only.
+    mine = owner is not None and f.owner == owner and f.uid == daemon_uid
     matched_mine = hit is not None and f.uid == daemon_uid and not other_daemon
     in_launch = session is not None
     ours = current or recorded or in_launch or mine or matched_mine
@@ -192,6 +194,8 @@ def _decide(
         )
     if mine:
         return Kind.LEFTOVER, True, f"carries this daemon's {OWNER_ENV} marker"
+    if distrusted:
+        return Kind.FOREIGN, False, distrusted
     if other_daemon:
         return Kind.FOREIGN, False, f"launched by another kimi-serve ({OWNER_ENV}={f.owner})"
     if hit is not None:
@@ -220,13 +224,50 @@ def _session_leader(
     return leader
 
 
-def _in_session(f: ProcFacts, leader: ProcessIdentity | None) -> int | None:
-    """The session id when `f` belongs to the recorded launch's session or process group."""
+def _in_session(f: ProcFacts, leader: ProcessIdentity | None, uid: int) -> int | None:
+    """The session id when `f` belongs to the recorded launch's session or process group and
+    runs as the launch's user (a dead leader's session id may be another user's now)."""
     if leader is None or f.pid == leader.pid or leader.pid not in (f.sid, f.pgid):
+        return None
+    if f.uid != uid:
         return None
     if f.create_time + CREATE_TIME_SLACK < leader.create_time:
         return None  # older than the launch: cannot be one of its processes
     return leader.pid
+
+
+def _distrust(
+    f: ProcFacts,
+    held: bool,
+    *,
+    owner: str | None,
+    leader: ProcessIdentity | None,
+    match: tuple[str, ...],
+    daemon_uid: int,
+) -> str:
+    """Why a process the launch record lists is not ours after all; "" when it is.
+
+    The record is written by the service user, whose SGLang runs model code: it counts only for
+    that user's processes, and for one holding no GPU memory only with evidence of its own."""
+    if f.uid != daemon_uid:
+        who = f.username or f"uid {f.uid}"
+        return (
+            f"listed in the launch record but runs as {who}, not the service user's "
+            f"uid {daemon_uid}: not ours"
+        )
+    if held or f.status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return ""  # a zombie gets no signal: only reaped, and only by its parent
+    joined = " ".join(f.cmdline)
+    if (
+        (owner is not None and f.owner == owner)
+        or _in_session(f, leader, daemon_uid) is not None
+        or any(m in joined for m in match)
+    ):
+        return ""
+    return (
+        "listed in the launch record but holds no GPU memory and shows no sign of being ours "
+        f"(no {OWNER_ENV} marker, not in the launch's session, no gpus.match hit)"
+    )
 
 
 def classify(
@@ -268,7 +309,11 @@ def classify(
             )
     current = _start_times(ours_current)
     recorded = _start_times(ours_recorded)
-    leader = _session_leader(ours_recorded, facts)
+    # Only the service user's recorded processes (or gone ones) may lead the launch's session.
+    leader = _session_leader(
+        {i for i in ours_recorded if (g := facts.get(i.pid)) is None or g.uid == daemon_uid},
+        facts,
+    )
     for pid in sorted(set(on_gpu) | set(recorded)):
         held = on_gpu.get(pid, [])
         gpus = tuple(g for g, _ in held)
@@ -288,9 +333,15 @@ def classify(
                     )
                 )
             continue
-        is_recorded = same_start(recorded.get(pid), f.create_time)
-        if not held and not is_recorded:
+        listed = same_start(recorded.get(pid), f.create_time)
+        if not held and not listed:
             continue  # a recorded pid now names some other process, which holds no GPU memory
+        distrusted = (
+            _distrust(f, bool(held), owner=owner, leader=leader, match=match, daemon_uid=daemon_uid)
+            if listed
+            else ""
+        )
+        is_recorded = listed and not distrusted
         kind, ours, reason = _decide(
             f,
             current=same_start(current.get(pid), f.create_time),
@@ -298,13 +349,14 @@ def classify(
             match=match,
             daemon_uid=daemon_uid,
             owner=owner,
-            session=_in_session(f, leader),
+            session=_in_session(f, leader, daemon_uid),
+            distrusted=distrusted,
         )
         found_by = ""
         if ours and kind is not Kind.CURRENT:
             if is_recorded:
                 found_by = "launch record"
-            elif owner is not None and f.owner == owner:
+            elif owner is not None and f.owner == owner and f.uid == daemon_uid:
                 found_by = "owner marker"
             else:
                 found_by = "nvml"
@@ -667,6 +719,9 @@ class SweepReport:
     processes: list[SweptProcess] = field(default_factory=list)
     stuck: list[ProcessIdentity] = field(default_factory=list)
     nvml_error: str | None = None  # NVML could not say what they held
+    # Recorded, but not killed: another user's, or holding no GPU memory with no evidence of
+    # being ours (the record is the service user's own word). One line each.
+    spared: list[str] = field(default_factory=list)
 
     def killed_rows(self) -> list[tuple[str, str, int]]:
         """(gpu, UUID, count) rows; gpu "none" for a killed process that held no GPU memory."""
@@ -703,14 +758,20 @@ async def sweep_leftovers(
     marked: set[ProcessIdentity],
     *,
     facts: Callable[[Iterable[int]], Mapping[int, ProcFacts]] = gather_facts,
+    match: tuple[str, ...] = (),
+    owner: str | None = None,
+    uid: int | None = None,
 ) -> SweepReport:
     """Kill an earlier launch's processes through `sweep` (ProcessOwner.sweep) and say what each
     held. NVML is read before the kill: afterwards the memory is free and the pid unlisted
     (within 0.25 s on an H200, docs/gpu.md). Every GPU NVML lists counts, managed or not:
-    what a recorded process of ours held anywhere is ours."""
+    what a recorded process of ours held anywhere is ours.
+
+    `marked` (owner marker, the launch's session) is evidence of its own; a process only
+    `recorded` is killed when it runs as `uid` (default: ours) and holds GPU memory, carries
+    `owner`'s marker or matches `match`."""
     report = SweepReport()
-    targets = recorded | marked
-    if not targets:
+    if not recorded | marked:
         return report
     held: dict[int, list[tuple[int, str, int | None]]] = {}
     if nvml is not None:
@@ -722,12 +783,22 @@ async def sweep_leftovers(
             for snap in snaps:
                 for p in snap.processes:
                     held.setdefault(p.pid, []).append((snap.index, snap.uuid, p.used_bytes))
-    seen = facts(i.pid for i in targets)
+    want = os.getuid() if uid is None else uid
+    seen = facts(i.pid for i in recorded | marked)
+    targets = set(marked)
     alive = []
-    for ident in sorted(targets):
+    for ident in sorted(recorded | marked):
         f = seen.get(ident.pid)
         if f is None or not same_start(ident.create_time, f.create_time):
             continue  # gone already, or the pid names another process now: nothing to kill
+        if ident not in marked:
+            why = _distrust(
+                f, ident.pid in held, owner=owner, leader=None, match=match, daemon_uid=want
+            )
+            if why:
+                report.spared.append(f"pid {ident.pid}: {why}")
+                continue
+            targets.add(ident)
         if f.status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             continue
         alive.append((ident, f))
@@ -773,6 +844,10 @@ def leftover_status(sweep: SweepReport | None, clean: CleanReport | None) -> dic
 def _daemon_uid(state_dir: str) -> int:
     # The daemon's user owns its state directory (systemd's StateDirectory= chowns it to User=):
     # an operator running gpu-clean as root must still treat only that user's processes as ours.
+    # Anyone else can signal only their own processes: theirs are the ones that count (a pod's
+    # `kubectl exec` runs as the daemon's user, in a state directory the kubelet made root's).
+    if os.geteuid() != 0:
+        return os.getuid()
     try:
         return os.stat(state_dir).st_uid
     except OSError:
@@ -828,8 +903,12 @@ def run_gpu_clean(cfg: Config, dry_run: bool, out: TextIO, open_nvml: NvmlOpener
             f"warning: cannot read {store.path} (permission); recorded leftovers whose command "
             "line does not match gpus.match will be missed: run as root or the daemon's user\n"
         )
-    record = store.load()
-    recorded = set(record.processes) if record else set()
+    uid = _daemon_uid(cfg.state_dir)
+    read = store.read(uid)
+    for line in read.warnings:
+        out.write(f"warning: {line}\n")
+    record = read.record
+    recorded = read.processes
     current: set[ProcessIdentity] = set()
     if record and record.daemon_pid != os.getpid() and _running_daemon(record.daemon_pid):
         out.write(
@@ -838,7 +917,6 @@ def run_gpu_clean(cfg: Config, dry_run: bool, out: TextIO, open_nvml: NvmlOpener
         )
         current = recorded | set(descendants(record.daemon_pid))
         recorded, dry_run = set(), True
-    uid = _daemon_uid(cfg.state_dir)
     try:
         nvml = open_nvml()
     except NvmlUnavailable as exc:

@@ -50,11 +50,15 @@ async def clean(
     """Leftovers of earlier launches gone, GPUs fit, GPU memory free, port free: or say why
     not (`GpuUnfit`: a managed GPU needs a reset, a reboot or a replacement)."""
     try:
-        record = store.load()
-        recorded = set(record.processes) if record else set()
+        # The record is the service user's file: bound to its owner, mode and boot
+        # (RecordStore.read); what it cannot vouch for is ignored, with one warning each.
+        read = store.read()
+        for line in read.warnings:
+            log.get().warning("launch record not trusted", detail=line)
+        recorded = read.processes
         # The launch's session counts too: setproctitle wipes a scheduler's environment, and
-        # with it the owner marker (ProcessOwner.leftovers).
-        marked = owner.leftovers(recorded) - recorded
+        # with it the owner marker (ProcessOwner.evident).
+        marked = owner.evident(recorded)
         if recorded | marked:
             log.get().warning(
                 "removing processes of an earlier launch",
@@ -62,7 +66,11 @@ async def clean(
             )
         # Always reported, empty when nothing was left (Observed sums the cleanings up to a
         # launch).
-        sweep = await gpu.sweep_leftovers(owner.sweep, nvml, recorded, marked)
+        sweep = await gpu.sweep_leftovers(
+            owner.sweep, nvml, recorded, marked, match=cfg.gpus.match, owner=owner.owner
+        )
+        for line in sweep.spared:
+            log.get().warning("recorded process left alone", detail=line)
         observed.swept(sweep)
         if sweep.stuck:
             pids = ", ".join(str(i.pid) for i in sweep.stuck)

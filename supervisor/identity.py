@@ -8,12 +8,14 @@ that was itself SIGKILLed can find and remove its previous launch's processes on
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
+import stat
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -25,6 +27,23 @@ OWNER_ENV = "KIMI_SERVE_OWNER"
 # psutil's create_time comes from /proc/<pid>/stat in clock ticks since boot; two reads of the
 # same process agree far better than this. The one tolerance of the project.
 CREATE_TIME_SLACK = 0.05
+# Changes at every boot. A record from another boot names pids that were handed out afresh since:
+# none of them can be ours, and the session of a dead leader may be anyone's now.
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+def current_boot_id(path: str = BOOT_ID_FILE) -> str | None:
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def real_uid(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).uids().real
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
 
 
 def same_start(recorded: float | None, actual: float) -> bool:
@@ -120,14 +139,18 @@ def leader_still_names_session(leader: ProcessIdentity) -> bool:
     return leader.matches(proc)
 
 
-def session_members(leader: ProcessIdentity) -> list[ProcessIdentity]:
-    """Live processes in the session or process group of a launch's main process.
+def session_members(leader: ProcessIdentity, uid: int | None = None) -> list[ProcessIdentity]:
+    """Live processes of `uid` (default: ours) in the session or process group of a launch's
+    main process.
 
     Evidence of ownership that needs no environment marker: setproctitle in SGLang's
     schedulers and detokenizer wipes /proc/PID/environ unless SPT_NOENV=1 (docs/sglang.md).
+    Only the launch's user counts: every process of a launch runs as the daemon's user, and a
+    session of a dead leader named in a forged record may be another user's.
     """
     if not leader_still_names_session(leader):
         return []
+    want = os.getuid() if uid is None else uid
     found = []
     for proc in psutil.process_iter(["pid"]):
         pid = proc.pid
@@ -137,7 +160,7 @@ def session_members(leader: ProcessIdentity) -> list[ProcessIdentity]:
             if leader.pid not in (os.getsid(pid), os.getpgid(pid)):
                 continue
             with proc.oneshot():
-                if proc.status() == psutil.STATUS_ZOMBIE:
+                if proc.status() == psutil.STATUS_ZOMBIE or proc.uids().real != want:
                     continue
                 created = proc.create_time()
         except (OSError, psutil.Error):
@@ -150,11 +173,13 @@ def session_members(leader: ProcessIdentity) -> list[ProcessIdentity]:
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """What one daemon launched: the SGLang main process and every descendant seen."""
+    """What one daemon launched: the SGLang main process and every descendant seen, and the
+    boot it happened in."""
 
     daemon_pid: int
     profile: str
     processes: tuple[ProcessIdentity, ...]
+    boot_id: str | None = field(default_factory=current_boot_id)
 
     @property
     def leader(self) -> ProcessIdentity | None:
@@ -166,6 +191,7 @@ class LaunchRecord:
             {
                 "daemon_pid": self.daemon_pid,
                 "profile": self.profile,
+                "boot_id": self.boot_id,
                 "processes": [asdict(p) for p in self.processes],
             }
         )
@@ -173,13 +199,33 @@ class LaunchRecord:
     @classmethod
     def from_json(cls, text: str) -> LaunchRecord:
         data = json.loads(text)
+        boot = data.get("boot_id")
         return cls(
             daemon_pid=int(data["daemon_pid"]),
             profile=str(data["profile"]),
             processes=tuple(
                 ProcessIdentity(int(p["pid"]), float(p["create_time"])) for p in data["processes"]
             ),
+            boot_id=None if boot is None else str(boot),
         )
+
+
+@dataclass(frozen=True)
+class RecordRead:
+    """A launch record as far as it can be trusted: `record` is None when nothing in the file
+    may name our processes; `warnings` say what was ignored and why (one line each)."""
+
+    record: LaunchRecord | None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def processes(self) -> set[ProcessIdentity]:
+        return set(self.record.processes) if self.record else set()
+
+
+# The file is written by the service user, whose SGLang runs model code: root's `gpu-clean` and
+# a daemon running as root must not take it on trust (docs/security.md, "Launch records").
+MAX_RECORD_BYTES = 1 << 20
 
 
 class RecordStore:
@@ -195,14 +241,67 @@ class RecordStore:
         with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".probe-", delete=True):
             pass
 
-    def load(self) -> LaunchRecord | None:
+    def load(self, uid: int | None = None) -> LaunchRecord | None:
+        return self.read(uid).record
+
+    def read(self, uid: int | None = None, boot_id: str | None = None) -> RecordRead:
+        """The record, bound to its owner, mode and boot.
+
+        `uid` (default: ours) is the service user's: the file must be a regular file of that
+        user that group and others cannot write, opened without following a link, written in
+        this boot (`boot_id`, default: the running one). A listed process that runs as another
+        user is dropped: it cannot be one of ours, whatever the file says.
+        """
+        want = os.getuid() if uid is None else uid
+        boot = current_boot_id() if boot_id is None else boot_id
+        where = str(self.path)
         try:
-            return LaunchRecord.from_json(self.path.read_text())
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):
+            return RecordRead(None)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return RecordRead(None, (f"{where} is a symbolic link: ignored",))
+            return RecordRead(None, (f"cannot read {where}: {exc.strerror or exc}: ignored",))
+        try:
+            st = os.fstat(fd)
+            problem = _unsafe(st, want)
+            if problem:
+                return RecordRead(None, (f"{where} {problem}: ignored",))
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_RECORD_BYTES + 1)
+        except OSError as exc:
+            return RecordRead(None, (f"cannot read {where}: {exc.strerror or exc}: ignored",))
+        finally:
+            os.close(fd)
+        try:
+            if len(raw) > MAX_RECORD_BYTES:
+                raise ValueError("too large")
+            record = LaunchRecord.from_json(raw.decode())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             # A torn or foreign file: nothing in it can be trusted to name our processes.
-            return None
+            return RecordRead(None, (f"{where} is not a launch record: ignored",))
+        if record.boot_id is None or record.boot_id != boot:
+            was = record.boot_id or "none"
+            return RecordRead(
+                None,
+                (
+                    f"{where} was written in another boot (boot id {was}, now {boot}): "
+                    "its processes are not ours; ignored",
+                ),
+            )
+        kept, notes = [], []
+        for ident in record.processes:
+            who = real_uid(ident.pid) if live_process(ident) is not None else None
+            if who is not None and who != want:
+                notes.append(
+                    f"{where} lists pid {ident.pid}, which runs as uid {who}, not the service "
+                    f"user's uid {want}: not ours, ignored"
+                )
+                continue
+            kept.append(ident)
+        trusted = LaunchRecord(record.daemon_pid, record.profile, tuple(kept), record.boot_id)
+        return RecordRead(trusted, tuple(notes))
 
     def save(self, record: LaunchRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -219,3 +318,15 @@ class RecordStore:
     def clear(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def _unsafe(st: os.stat_result, uid: int) -> str:
+    """Why a record file with this stat cannot be trusted; "" when it can."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != uid:
+        return f"belongs to uid {st.st_uid}, not the service user's uid {uid}"
+    if st.st_mode & 0o022:
+        mode = stat.S_IMODE(st.st_mode)
+        return f"is mode {mode:04o}: group or others may write it"
+    return ""

@@ -15,7 +15,9 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from supervisor import command, log
+import httpx
+
+from supervisor import command, log, sglang_key
 from supervisor.command import LaunchSpec
 from supervisor.config import Config
 from supervisor.identity import LaunchRecord, RecordStore
@@ -33,6 +35,7 @@ from supervisor.machine import (
     WatchesEnd,
 )
 from supervisor.observed import Observed
+from supervisor.probe import server_url
 from supervisor.process import Child, ProcessOwner, wait_port_open
 from supervisor.router import RouterLink
 
@@ -53,8 +56,10 @@ class Launcher:
         emit: Callable[[Event], None],
         spawn: Spawn,
         router: RouterLink | None = None,
+        http: httpx.AsyncClient | None = None,
     ) -> None:
         self.cfg = cfg
+        self.http = http  # the probes' client: it sends SGLang's API key (sglang_key.Bearer)
         self.ctx = ctx  # read only: the profile and whether the launch is still starting
         self.owner = owner
         self.store = store
@@ -73,6 +78,8 @@ class Launcher:
     def launch(self, action: Launch, before: Callable[[], None]) -> None:
         spec = self.spec = command.build(self.cfg, action.profile)
         before()
+        if not self._hand_over_key(action.launch):
+            return
         try:
             child = self.owner.spawn(action.launch, spec.argv, spec.env, self.cfg.sglang.workdir)
         except OSError as exc:
@@ -106,6 +113,23 @@ class Launcher:
                 self._save_record(child, self.ctx.profile)
             fast = self.ctx.state in STARTUP_STATES
             await asyncio.sleep(0.25 if fast else 5.0)
+
+    def _hand_over_key(self, launch: int) -> bool:
+        """SGLang's API key into the file its `--config` names, and onto every request of the
+        probes' client; False (the launch failed, said why) when the key file is unusable."""
+        try:
+            key = sglang_key.configured_key(self.cfg)
+            if self.cfg.sglang.api_key_file and key is not None:
+                sglang_key.write_secrets(self.cfg.state_dir, key)
+        except (sglang_key.KeyFileError, OSError) as exc:
+            msg = f"sglang.api_key_file: {exc}"
+            self.log.error("launch failed", error=msg)
+            self.emit(LaunchFailed(launch, msg))
+            return False
+        if self.http is not None:
+            base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
+            self.http.auth = httpx.Auth() if key is None else sglang_key.Bearer(base, key)
+        return True
 
     def _save_record(self, child: Child, profile: str) -> None:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from supervisor import log
+from supervisor import log, redact
 from supervisor.config import Config
 from supervisor.logscan import LogScanner, Stream, guess_level
 from supervisor.machine import Event, FatalLog, ReadyLine
@@ -65,6 +65,9 @@ class LogPump:
 
     def lines(self, launch: int, stream: Stream, lines: list[str]) -> None:
         self.metrics.log_lines.labels(stream.value).inc(len(lines))
+        # Before anything keeps or forwards them: SGLang logs its server arguments, the API
+        # key with them (supervisor/redact.py).
+        lines = [redact.line(line) for line in lines]
         now = self.clock()
         # A token bucket refilled continuously: forwarding is spread over the second instead
         # of one burst at its start, during which SGLang's pipe would fill.

@@ -435,21 +435,29 @@ class ProcessOwner:
         """
         recorded = set(recorded)
         found = {i for i in recorded if live_process(i) is not None}
+        return found | self.evident(recorded)
+
+    def evident(self, recorded: Iterable[ProcessIdentity]) -> set[ProcessIdentity]:
+        """The processes of an earlier launch with evidence beyond the record's word: members
+        of the session its main process led (the main process itself excepted: the record is
+        what names it) and those carrying our owner marker, all of our uid."""
         leader = launch_leader(recorded)
+        found = set(self.marked_processes())
         if leader is not None:
-            found |= set(session_members(leader))
-        return found | set(self.marked_processes())
+            found |= {i for i in session_members(leader) if i.pid != leader.pid}
+        return found
 
     def marked_processes(self) -> list[ProcessIdentity]:
-        """Live processes carrying our owner marker (from any launch, any daemon run)."""
+        """Live processes of our uid carrying our owner marker (any launch, any daemon run).
+        Anyone can set the variable: another user's process is never ours."""
         found = []
-        me = os.getpid()
+        me, uid = os.getpid(), os.getuid()
         for proc in psutil.process_iter(["pid"]):
             if proc.pid == me:
                 continue
             with contextlib.suppress(psutil.Error, OSError):
                 if proc.environ().get(OWNER_ENV) == self.owner:
-                    if proc.status() == psutil.STATUS_ZOMBIE:
+                    if proc.status() == psutil.STATUS_ZOMBIE or proc.uids().real != uid:
                         continue
                     found.append(ProcessIdentity(proc.pid, proc.create_time()))
         return found

@@ -26,6 +26,8 @@ while True:
 """
 # Starts its arguments in a new session and exits at once: the holder is orphaned, as an
 # SGLang scheduler is when its parent dies before PR_SET_PDEATHSIG (sglang #23627).
+# An interpreter outside root's home, which other users can run.
+SYSTEM_PYTHON = "/usr/bin/python3"
 LAUNCHER = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)"
 
 
@@ -36,11 +38,21 @@ class Procs:
         self.popens: list[subprocess.Popen[bytes]] = []
         self.started: list[ProcessIdentity] = []
 
-    def start(self, *args: str, ignore_term: bool = False, orphan: bool = False) -> ProcessIdentity:
-        argv = [sys.executable, "-c", HOLDER, *(["--ignore-term"] if ignore_term else []), *args]
+    def start(
+        self,
+        *args: str,
+        ignore_term: bool = False,
+        orphan: bool = False,
+        user: int | None = None,
+    ) -> ProcessIdentity:
+        """A holder with `args` on its command line, as `user` (uid; default: ours)."""
+        # Another user cannot run the test's interpreter when it lives under root's home.
+        python = sys.executable if user is None else SYSTEM_PYTHON
+        argv = [python, "-c", HOLDER, *(["--ignore-term"] if ignore_term else []), *args]
         if orphan:
-            argv = [sys.executable, "-c", LAUNCHER, *argv]
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, env=self.env)
+            argv = [python, "-c", LAUNCHER, *argv]
+        as_user = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, env=self.env, **as_user)  # type: ignore[call-overload]
         self.popens.append(p)
         assert p.stdout is not None
         line = p.stdout.readline().split()

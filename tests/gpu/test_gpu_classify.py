@@ -171,16 +171,21 @@ TITLE_ONLY = ("sglang::scheduler_TP3", "", "")
 def test_session_of_the_recorded_launch_is_ours_without_the_marker() -> None:
     main = ProcessIdentity(500, 100.0)  # the launch's main process, leader of its session
     snaps = [gpu(0, (20, GiB), (21, GiB), (22, GiB))]
+    # A command line no gpus.match entry hits, so only the session can make it ours.
     known = [
-        facts(20, *TITLE_ONLY, uid=OTHER, start=101.0, sid=500),  # not recorded, no marker
-        facts(21, *TITLE_ONLY, uid=OTHER, start=101.0, sid=77),  # another session
-        facts(22, *TITLE_ONLY, uid=OTHER, start=99.0, sid=500),  # older than the launch
+        facts(20, "python3", start=101.0, sid=500),  # not recorded, no marker
+        facts(21, "python3", start=101.0, sid=77),  # another session
+        facts(22, "python3", start=99.0, sid=500),  # older than the launch
+        facts(23, *TITLE_ONLY, uid=OTHER, start=101.0, sid=500),  # another user's
     ]
+    snaps = [gpu(0, (20, GiB), (21, GiB), (22, GiB), (23, GiB))]
     recorded = {main, ProcessIdentity(501, 100.5)}
     got = run(snaps, known, recorded=recorded, owner=OWNER)
     assert got[20] == (Kind.LEFTOVER, True)
     assert got[21] == (Kind.FOREIGN, False)
     assert got[22] == (Kind.FOREIGN, False)
+    # The session id of a dead leader may be someone else's now: only the daemon's uid counts.
+    assert got[23] == (Kind.FOREIGN, False)
     reason = next(
         c.reason
         for c in classify(snaps, {f.pid: f for f in known}, set(), recorded, MATCH, ME)

@@ -33,7 +33,7 @@ async def test_only_leftovers_are_killed(procs: Procs) -> None:
     stubborn = procs.start("sglang::scheduler_TP1", ignore_term=True)
     main = procs.start("-m", "launch_server", "--sim-gpu", "1", orphan=True)
     # Recorded, holds no GPU memory, ignores SIGTERM: still waited for after its SIGKILL.
-    detok = procs.start("detokenizer-of-an-earlier-launch", ignore_term=True)
+    detok = procs.start("sglang::detokenizer", ignore_term=True)
     foreign = procs.start("train.py", "--sim-gpu", "0")  # 512 MiB, under the threshold
     bystander = procs.start("sglang-unrelated-but-no-gpu")  # matches, not on a GPU, not recorded
     current = procs.start("sglang::scheduler_TP1")

@@ -79,7 +79,7 @@ def test_bad_simulation_setting_is_exit_1(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_cleans_matching_and_recorded_leftovers(tmp_path: Path, simulated: Procs) -> None:
     leftover = simulated.start("sglang::scheduler_TP0", orphan=True)
-    recorded = simulated.start("detokenizer")
+    recorded = simulated.start("sglang::detokenizer")
     foreign = simulated.start("train.py")
     RecordStore(str(tmp_path)).save(
         LaunchRecord(daemon_pid=999_999_999, profile="primary", processes=(recorded,))

@@ -154,6 +154,6 @@ async def test_a_process_surviving_sigkill_is_reported_not_counted(procs: Procs)
     async def sweep(idents: set[ProcessIdentity]) -> list[ProcessIdentity]:
         return sorted(idents)  # as if stuck in D state: everything survives
 
-    report = await sweep_leftovers(sweep, None, {victim}, set())
+    report = await sweep_leftovers(sweep, None, {victim}, set(), match=("sglang",))
     assert [p.killed for p in report.processes] == [False]
     assert report.killed_rows() == [] and report.stuck == [victim]

@@ -513,5 +513,38 @@ def test_the_pod_runs_kimi_serve_on_the_mounted_config(
             assert template["spec"]["shareProcessNamespace"] is True, role
 
 
+def test_the_pods_are_confined(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    # The pod runs model code (trust_remote_code): no API token, no capabilities, no setuid
+    # gain, the runtime's seccomp profile, a read-only image with writable volumes where the
+    # daemon and SGLang write; non-root where the token's owner allows (docs/kubernetes.md).
+    for role, template in templates(rendered).items():
+        spec = template["spec"]
+        assert spec["automountServiceAccountToken"] is False, role
+        pod = spec["securityContext"]
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        assert "fsGroup" not in pod, role  # it would make the Secret's token group-readable
+        c = container(template)
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, role
+        assert sc["capabilities"] == {"drop": ["ALL"]}, role
+        assert "add" not in sc["capabilities"] and not sc.get("privileged"), role
+        assert sc["readOnlyRootFilesystem"] is True, role
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        cfg = dict(configs(rendered))[role]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        for writable in (cfg.state_dir, "/tmp", "/dev/shm", env["HOME"]):
+            mount = mounts[writable]
+            assert not mount.get("readOnly"), (role, writable)
+            assert "emptyDir" in volumes[mount["name"]], (role, writable)
+        if role == "one-node":
+            assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, role
+            assert pod["runAsGroup"] > 0, role
+        else:
+            # The Secret's token file is root's, 0400: read by uid 0 with no capability.
+            assert pod["runAsUser"] == 0 and sc["capabilities"]["drop"] == ["ALL"], role
+            assert "/etc/kimi-serve-token" in mounts, role
+
+
 def test_rendering_is_deterministic() -> None:
     assert render("multi-node") == render("multi-node")

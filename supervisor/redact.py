@@ -1,0 +1,101 @@
+"""Secrets out of what a log or an unauthenticated reader sees.
+
+SGLang 0.5.22+ logs its resolved server arguments at start, `--api-key` and `--admin-api-key`
+included (`server_args={'model_path': ..., 'api_key': '...', ...}`, engine.py:311 and :1185 in
+0.5.23, docs/sglang.md): every line SGLang prints goes through `line()` before kimi-serve
+forwards it to the journal, keeps it in the log tail (/status.last_restart.log_tail, the
+incident's log_tail.txt) or records it. `argv()` does the same for a command line we print or
+log. Pure functions; the patterns err on the side of hiding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+REDACTED = "<redacted>"
+
+# A name that holds a secret: api_key, admin_api_key, hf_token, client_secret, password. Not
+# max_tokens or tokenizer_path: "token" counts as a whole part of the name only.
+_PARTS = re.compile(r"[_.-]+")
+_NAME = r"[A-Za-z0-9_.-]+"
+
+# 'api_key': 'value' / "api_key": "value" (a dict's repr, JSON): the quoted value.
+_QUOTED_ITEM = re.compile(
+    rf"""(?P<head>(?P<q>['"])(?P<name>{_NAME})(?P=q)\s*:\s*)"""
+    r"""(?P<vq>['"])(?P<value>(?:\\.|(?!(?P=vq)).)*)(?P=vq)"""
+)
+# api_key='value' (a dataclass's repr), api_key=value, --api-key value, --api-key=value.
+_KEYWORD = re.compile(
+    rf"""(?P<head>(?<![A-Za-z0-9_.-])(?:--(?P<flag>{_NAME})(?:=|\s+(?=[^-\s]))|(?P<name>{_NAME})=))"""
+    r"""(?P<value>'[^']*'|"[^"]*"|[^\s,)}\]]+)"""
+)
+# Authorization: Bearer xyz, 'authorization': 'Bearer xyz', a bare "Bearer xyz".
+_BEARER = re.compile(r"(?P<head>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=-]+)")
+_AUTH_HEADER = re.compile(
+    r"""(?P<head>\bAuthorization['"]?\s*[:=]\s*['"]?)(?P<value>[^'"\s,}]+(?:\s+[^'"\s,}]+)?)""",
+    re.IGNORECASE,
+)
+
+
+def is_secret_flag(name: str) -> bool:
+    """Whether an SGLang flag or field (`api-key`, `--admin-api-key`, `hf_token`) is a secret."""
+    low = name.lower().lstrip("-")
+    if "apikey" in low.replace("_", "").replace("-", "").replace(".", ""):
+        return True
+    if "secret" in low or "passw" in low:
+        return True
+    return "token" in _PARTS.split(low)
+
+
+def _quoted(m: re.Match[str]) -> str:
+    if not is_secret_flag(m["name"]):
+        return m.group(0)
+    return f"{m['head']}{m['vq']}{REDACTED}{m['vq']}"
+
+
+def _keyword(m: re.Match[str]) -> str:
+    value = m["value"]
+    if not is_secret_flag(m["flag"] or m["name"]) or value in ("None", "null", "''", '""'):
+        return m.group(0)  # not a secret, or not set (the reader may learn that it is unset)
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    return f"{m['head']}{quote}{REDACTED}{quote}"
+
+
+def line(text: str) -> str:
+    """`text` with every secret value replaced by <redacted>."""
+    if not _could_hold_a_secret(text):
+        return text
+    text = _QUOTED_ITEM.sub(_quoted, text)
+    text = _AUTH_HEADER.sub(lambda m: f"{m['head']}{REDACTED}", text)
+    text = _BEARER.sub(lambda m: f"{m['head']}{REDACTED}", text)
+    return _KEYWORD.sub(_keyword, text)
+
+
+_HINT = re.compile(r"key|token|secret|passw|bearer|basic|authorization", re.IGNORECASE)
+
+
+def _could_hold_a_secret(text: str) -> bool:
+    # The cheap test first: a log flood of ordinary lines costs one search each.
+    return _HINT.search(text) is not None
+
+
+def argv(tokens: Iterable[str]) -> list[str]:
+    """A command line with the value of every secret flag replaced by <redacted>."""
+    out: list[str] = []
+    hide_next = False
+    for tok in tokens:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _value = tok.partition("=")
+        if tok.startswith("--") and is_secret_flag(name):
+            if eq:
+                out.append(f"{name}={REDACTED}")
+            else:
+                out.append(tok)
+                hide_next = True
+            continue
+        out.append(line(tok))
+    return out

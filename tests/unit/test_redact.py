@@ -1,0 +1,180 @@
+"""Secrets out of SGLang's log lines, command lines and the config's key file: the redaction
+itself, print-command as an operator runs it, the key file's checks, and the log pump's tail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supervisor import command, config, redact, sglang_key
+from supervisor.logpump import LogPump
+from supervisor.logscan import Stream
+from supervisor.metrics import Metrics
+
+KEY = "sk-live-0123456789abcdef"
+KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
+
+# SGLang 0.5.23's line (srt/entrypoints/engine.py:1185, `logger.info(f"server_args={...}")`),
+# as its log format prints it.
+SERVER_ARGS_LINE = (
+    "[2026-12-01 21:47:47] server_args={'model_path': '/models/tiny', 'tokenizer_path': "
+    f"'/models/tiny', 'api_key': '{KEY}', 'admin_api_key': '{KEY}-admin', 'max_tokens': 8, "
+    f"'hf_token': \"{KEY}-hf\", 'watermark_key': None, 'port': 30000}}"
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        SERVER_ARGS_LINE,
+        f"ServerArgs(model_path='/m', api_key='{KEY}', port=30000)",
+        f"python -m sglang.launch_server --api-key {KEY} --port 3",
+        f"python -m sglang.launch_server --admin-api-key={KEY}",
+        f'request headers: {{"Authorization": "Bearer {KEY}"}}',
+        f"Authorization: Bearer {KEY}",
+        f"client_secret={KEY}",
+    ],
+)
+def test_a_secret_never_survives(line: str) -> None:
+    out = redact.line(line)
+    assert KEY not in out and redact.REDACTED in out
+
+
+def test_what_is_not_a_secret_is_left_alone() -> None:
+    out = redact.line(SERVER_ARGS_LINE)
+    assert "'tokenizer_path': '/models/tiny'" in out and "'max_tokens': 8" in out
+    assert "'watermark_key': None" in out and "'port': 30000" in out
+    decode = "Decode batch. #running-req: 1, #token: 36, token usage: 0.00, gen throughput"
+    assert redact.line(decode) == decode
+
+
+def test_print_command_never_shows_the_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "sglang.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    cfg_file = tmp_path / "kimi-serve.yaml"
+    doc = {
+        "sglang": {
+            "model_path": "/models/kimi",
+            "api_key_file": str(key_file),
+            "env": {"HF_TOKEN": KEY},
+        },
+        "state_dir": str(tmp_path / "state"),
+        # An operator who put the key in the args anyway: ps shows it, print-command does not.
+        "profiles": {"keyed": {"args": {"api-key": KEY}}},
+    }
+    cfg_file.write_text(yaml.safe_dump(doc))
+    for profile in ("primary", "keyed"):
+        done = subprocess.run(
+            [str(KIMI_SERVE), "print-command", "--config", str(cfg_file), "--profile", profile],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert KEY not in done.stdout + done.stderr
+        assert f"--config {tmp_path / 'state' / 'sglang-secrets.yaml'}" in done.stdout
+    assert "--api-key '<redacted>'" in done.stdout or "--api-key <redacted>" in done.stdout
+
+
+def test_the_keyed_argv_carries_the_secrets_file_and_not_the_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "k"
+    key_file.write_text(KEY)
+    key_file.chmod(0o400)
+    cfg = config.parse(
+        f"sglang: {{model_path: /m, api_key_file: {key_file}}}\nstate_dir: {tmp_path}\n", "t.yaml"
+    )
+    spec = command.build(cfg)
+    assert KEY not in " ".join(spec.argv)
+    path = sglang_key.write_secrets(str(tmp_path), sglang_key.configured_key(cfg) or "")
+    assert spec.argv[-2:] == ("--config", path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert yaml.safe_load(Path(path).read_text()) == {"api-key": KEY}
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [(0o644, "others may read or write it"), (0o660, "its group may write it")],
+)
+def test_a_key_file_others_may_read_is_a_config_error(tmp_path: Path, mode: int, why: str) -> None:
+    key_file = tmp_path / "k"
+    key_file.write_text(KEY)
+    key_file.chmod(mode)
+    with pytest.raises(config.ConfigError) as err:
+        config.parse(f"sglang:\n  model_path: /m\n  api_key_file: {key_file}\n", "t.yaml")
+    text = str(err.value)
+    assert text.startswith("t.yaml:3: sglang.api_key_file: ") and why in text
+
+
+def test_a_key_file_of_another_user_is_refused_by_the_daemon(tmp_path: Path) -> None:
+    key_file = tmp_path / "k"
+    key_file.write_text(KEY)
+    key_file.chmod(0o600)
+    os.chown(key_file, 65534, 65534)
+    with pytest.raises(sglang_key.KeyFileError, match="belongs to uid 65534"):
+        sglang_key.read(str(key_file), owners=(os.geteuid(),))
+
+
+def test_the_log_pump_keeps_and_forwards_the_line_redacted() -> None:
+    cfg = config.parse("sglang: {model_path: /m}\n", "t.yaml")
+    pump = LogPump(cfg, Metrics(), lambda: 0.0, lambda _e: None)
+    recorded: list[str] = []
+    pump.on_line = lambda line, _t: recorded.append(line)
+    pump.lines(1, Stream.STDERR, [SERVER_ARGS_LINE])
+    assert KEY not in "\n".join(pump.tail()) and "server_args=" in pump.tail()[-1]
+    assert recorded and KEY not in recorded[0]
+
+
+async def test_the_key_goes_to_sglang_only_and_never_over_another_token() -> None:
+    import httpx
+
+    seen: dict[str, str | None] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen[str(request.url)] = request.headers.get("authorization")
+        return httpx.Response(200)
+
+    auth = sglang_key.Bearer("http://127.0.0.1:30000", KEY)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), auth=auth) as client:
+        await client.post("http://127.0.0.1:30000/generate")
+        await client.get("http://127.0.0.1:30000/server_info")
+        await client.get("http://10.0.0.2:29400/group", headers={"Authorization": "Bearer g"})
+        await client.get("http://127.0.0.1:29400/status")  # another port: not SGLang
+        await client.post("http://router:30000/workers")
+    assert seen == {
+        "http://127.0.0.1:30000/generate": f"Bearer {KEY}",
+        "http://127.0.0.1:30000/server_info": f"Bearer {KEY}",
+        "http://10.0.0.2:29400/group": "Bearer g",
+        "http://127.0.0.1:29400/status": None,
+        "http://router:30000/workers": None,
+    }
+
+
+def test_check_warns_about_a_key_on_the_command_line(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "kimi-serve.yaml"
+    cfg_file.write_text(
+        yaml.safe_dump(
+            {
+                "sglang": {
+                    "model_path": "/models/kimi",
+                    "args": {"api-key": KEY},
+                    "env": {"SPT_NOENV": "1"},
+                },
+                "state_dir": str(tmp_path),
+            }
+        )
+    )
+    done = subprocess.run(
+        [str(KIMI_SERVE), "check", "--config", str(cfg_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "sglang.args api-key (profile primary) is on SGLang's command line" in done.stderr
+    assert "sglang.api_key_file" in done.stderr and KEY not in done.stdout + done.stderr
