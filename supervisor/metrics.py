@@ -29,6 +29,9 @@ ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status", "/grou
 # created with the others, so it reads 0 from the first scrape.
 ADMIN_OTHER_ENDPOINT = "other"
 
+# Label `reason` of kimi_serve_quality_degraded (contract: "Serving quality").
+QUALITY_DEGRADED_REASONS = ("canary_mismatch", "spec_collapse", "slow_decode", "no_cuda_graph")
+
 PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
@@ -197,6 +200,37 @@ class Metrics:
             "kimi_serve_admin_denied",
             "Admin requests refused for a missing or wrong bearer token, by endpoint.",
             ["endpoint"],
+            registry=r,
+        )
+        # Serving quality and restart downtime (contract: "Serving quality", "Restart
+        # downtime"): declared here so that the rules and the dashboard query exported names.
+        self.canary_ok = Gauge(
+            "kimi_serve_canary_ok",
+            "1 when the last canary matched the golden answer, else 0.",
+            registry=r,
+        )
+        self.spec_accept_length = Gauge(
+            "kimi_serve_spec_accept_length",
+            "Mean speculative accept length measured by kimi-serve.",
+            registry=r,
+        )
+        self.decode_tokens_per_second = Gauge(
+            "kimi_serve_decode_tokens_per_second",
+            "Single-stream decode speed of the probes, tokens per second.",
+            registry=r,
+        )
+        self.quality_degraded = Gauge(
+            "kimi_serve_quality_degraded",
+            "1 while serving is degraded for the reason, else 0.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in QUALITY_DEGRADED_REASONS:
+            self.quality_degraded.labels(reason)
+        self.restart_downtime = Histogram(
+            "kimi_serve_restart_downtime_seconds",
+            "From leaving ready to ready again, per restart nobody asked for.",
+            buckets=(1, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600),
             registry=r,
         )
         self._gpu_source = gpu_snapshot

@@ -43,6 +43,13 @@ CONTRACT_METRICS: dict[str, str] = {
     "kimi_serve_gpu_xid_events_total": "counter",
     # Incidents section of the contract.
     "kimi_serve_load_phase_seconds": "gauge",
+    # Serving quality section of the contract.
+    "kimi_serve_canary_ok": "gauge",
+    "kimi_serve_spec_accept_length": "gauge",
+    "kimi_serve_decode_tokens_per_second": "gauge",
+    "kimi_serve_quality_degraded": "gauge",
+    # Restart downtime section of the contract.
+    "kimi_serve_restart_downtime_seconds": "histogram",
 }
 
 
@@ -358,3 +365,27 @@ def test_dashboard_promql_parses(promtool: Path, dashboard: dict[str, Any], tmp_
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     done = run_promtool(promtool, "check", "rules", str(path))
     assert done.returncode == 0, textwrap.indent(done.stdout + done.stderr, "  ")
+
+
+def test_dashboard_runbook_link_is_the_rules_default(dashboard: dict[str, Any]) -> None:
+    """The dashboard's Runbook link is a setting (constant `runbook`) defaulting to the
+    same page as every alert's runbook_url: the copy the package installs."""
+    from tests.observability.test_rules import RUNBOOK_DEFAULT_URL
+
+    links = {link["title"]: link for link in dashboard["links"]}
+    assert links["Runbook"]["url"] == "${runbook}"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["runbook"]["type"] == "constant"
+    assert variables["runbook"]["query"] == RUNBOOK_DEFAULT_URL
+
+
+def test_dashboard_shows_the_spec_accept_floor(dashboard: dict[str, Any]) -> None:
+    # quality.spec_accept_floor's default (contract: 1.3) as the accept-length panel's line.
+    panel = next(
+        p
+        for p in walk_panels(dashboard["panels"])
+        if any("kimi_serve_spec_accept_length" in t["expr"] for t in p.get("targets", []))
+    )
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["custom"]["thresholdsStyle"]["mode"].startswith("line")
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None, 1.3]

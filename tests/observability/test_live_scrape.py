@@ -70,6 +70,16 @@ def test_live_scrape_has_every_contract_metric(live_scrape: str) -> None:
     ):
         assert name in names, f"{name} missing from a live scrape"
     assert 'kimi_serve_restarts_total{reason="exited"} 1.0' in live_scrape
+
+
+def test_live_scrape_has_the_quality_and_downtime_series(live_scrape: str) -> None:
+    # The alerts read these from the first scrape: a degraded reason at 0, not absent, and the
+    # downtime histogram before any restart has been measured.
+    names = series_from_exposition(live_scrape)
+    for reason in ("canary_mismatch", "spec_collapse", "slow_decode", "no_cuda_graph"):
+        assert f'kimi_serve_quality_degraded{{reason="{reason}"}}' in live_scrape, reason
+    for name in ("_bucket", "_sum", "_count"):
+        assert f"kimi_serve_restart_downtime_seconds{name}" in names, name
     assert 'gpu="0"' in live_scrape and "UUID=" in live_scrape
 
 

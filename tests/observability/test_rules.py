@@ -18,10 +18,21 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import RULES_FILE, RULES_TEST_FILES, RUNBOOK_FILE, run_promtool
+from .conftest import REPO_ROOT, RULES_FILE, RULES_TEST_FILES, RUNBOOK_FILE, run_promtool
 
-RUNBOOK_URL_PREFIX = "https://github.com/kimi-serve/kimi-serve/blob/main/docs/runbook.md#"
 SEVERITIES = {"critical", "warning", "info"}
+
+# Where the Debian package installs docs/runbook.md (packaging/debian/kimi-serve.docs, by
+# dh_installdocs, left uncompressed by debian/rules), and so the link when the Prometheus
+# server does not name the site's own copy in its external label `kimi_serve_runbook`.
+RUNBOOK_SITE_LABEL = "kimi_serve_runbook"
+RUNBOOK_INSTALLED = "/usr/share/doc/kimi-serve/runbook.md"
+RUNBOOK_DEFAULT_URL = f"file://{RUNBOOK_INSTALLED}"
+# Every alert's runbook_url: the site's runbook page, else the installed copy; then the anchor.
+RUNBOOK_URL = re.compile(
+    r"\{\{ or \$externalLabels\." + RUNBOOK_SITE_LABEL + r' "(?P<default>[^"]+)" \}\}'
+    r"#(?P<anchor>[a-z0-9_-]+)"
+)
 
 
 def test_promtool_check_rules(promtool: Path) -> None:
@@ -62,7 +73,7 @@ def test_alert_names_are_unique(alert_rules: list[dict[str, Any]]) -> None:
 
 def test_alerts_exist(alert_rules: list[dict[str, Any]]) -> None:
     # Guards the parametrised tests below against silently running on nothing.
-    assert len(alert_rules) >= 11
+    assert len(alert_rules) >= 19
 
 
 def test_every_alert_is_annotated(alert_rules: list[dict[str, Any]]) -> None:
@@ -78,9 +89,44 @@ def test_every_alert_is_annotated(alert_rules: list[dict[str, Any]]) -> None:
                 problems.append(f"{name}: annotation {key!r} missing or empty")
         if "$labels." not in notes.get("description", ""):
             problems.append(f"{name}: description quotes no label ($labels.<name>)")
-        if not str(notes.get("runbook_url", "")).startswith(RUNBOOK_URL_PREFIX):
-            problems.append(f"{name}: runbook_url does not start with {RUNBOOK_URL_PREFIX}")
+        link = RUNBOOK_URL.fullmatch(str(notes.get("runbook_url", "")))
+        if link is None:
+            problems.append(f"{name}: runbook_url is not of the form {RUNBOOK_URL.pattern}")
+        elif link["default"] != RUNBOOK_DEFAULT_URL:
+            problems.append(f"{name}: runbook_url defaults to {link['default']}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_default_runbook_link_is_where_the_package_installs_it() -> None:
+    # dh_installdocs puts the files listed in debian/<package>.docs in /usr/share/doc/<package>/.
+    docs = (REPO_ROOT / "packaging" / "debian" / "kimi-serve.docs").read_text().split()
+    assert "docs/runbook.md" in docs
+    assert RUNBOOK_INSTALLED == "/usr/share/doc/kimi-serve/runbook.md"
+    # ... and dh_compress would make it runbook.md.gz (over 4 KiB), breaking every link.
+    rules = (REPO_ROOT / "packaging" / "debian" / "rules").read_text()
+    assert re.search(r"^\tdh_compress\b.*-X\s*runbook\.md\b", rules, flags=re.M), rules
+
+
+def test_promtool_renders_every_link_to_its_anchor() -> None:
+    """What promtool really rendered (the unit tests' expected annotations): the installed
+    runbook, or the page the external label names, with the alert's own anchor."""
+    anchors = runbook_anchors(RUNBOOK_FILE.read_text())
+    seen: set[str] = set()
+    problems = []
+    for path in RULES_TEST_FILES:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            base = case.get("external_labels", {}).get(RUNBOOK_SITE_LABEL, RUNBOOK_DEFAULT_URL)
+            for check in case.get("alert_rule_test", []):
+                for alert in check.get("exp_alerts") or []:
+                    url = alert.get("exp_annotations", {}).get("runbook_url")
+                    if url is None:
+                        continue
+                    seen.add(base)
+                    page, _, anchor = url.partition("#")
+                    if page != base or anchor not in anchors:
+                        problems.append(f"{path.name} {check['alertname']}: {url}")
+    assert not problems, "\n".join(problems)
+    assert RUNBOOK_DEFAULT_URL in seen and len(seen) >= 2, seen
 
 
 def test_restart_alerts_name_the_reason(alert_rules: list[dict[str, Any]]) -> None:
@@ -144,14 +190,28 @@ def test_runbook_anchors_number_repeats() -> None:
     assert runbook_anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
 
 
+def runbook_url_anchors(alert_rules: list[dict[str, Any]]) -> dict[str, str]:
+    """alert -> the anchor its runbook_url ends with."""
+    return {r["alert"]: r["annotations"]["runbook_url"].rsplit("#", 1)[1] for r in alert_rules}
+
+
+def unknown_runbook_anchors(alert_rules: list[dict[str, Any]], markdown: str) -> list[str]:
+    anchors = runbook_anchors(markdown)
+    found = runbook_url_anchors(alert_rules).items()
+    return [f"{alert}: #{anchor}" for alert, anchor in found if anchor not in anchors]
+
+
 def test_every_runbook_url_lands_on_a_heading(alert_rules: list[dict[str, Any]]) -> None:
-    anchors = runbook_anchors(RUNBOOK_FILE.read_text())
-    missing = [
-        f"{r['alert']}: #{r['annotations']['runbook_url'].split('#', 1)[1]}"
-        for r in alert_rules
-        if r["annotations"]["runbook_url"].split("#", 1)[1] not in anchors
-    ]
+    missing = unknown_runbook_anchors(alert_rules, RUNBOOK_FILE.read_text())
     assert not missing, f"runbook_url anchors with no heading in {RUNBOOK_FILE}: {missing}"
+
+
+def test_a_missing_runbook_heading_is_reported(alert_rules: list[dict[str, Any]]) -> None:
+    # The check above must be able to fail: a runbook without the canary's section.
+    text = RUNBOOK_FILE.read_text().replace("## KimiServeCanaryMismatch\n", "## Canary\n")
+    assert unknown_runbook_anchors(alert_rules, text) == [
+        "KimiServeCanaryMismatch: #kimiservecanarymismatch"
+    ]
 
 
 def test_every_alert_has_a_runbook_section_named_after_it(
@@ -180,6 +240,7 @@ def test_runbook_covers_every_restart_reason() -> None:
         "manual",
         "reload",
         "gpu_fault",
+        "canary_mismatch",
     ]
     assert [r for r in reasons if f"`{r}`" not in text] == []
 

@@ -28,6 +28,11 @@ from packaging.requirements import Requirement
 
 from testkit import base_config
 from testkit.box import REPO_ROOT, Box, BoxUnavailable
+from tests.observability.test_rules import (
+    RUNBOOK_DEFAULT_URL,
+    RUNBOOK_INSTALLED,
+    unknown_runbook_anchors,
+)
 
 from .debbox import DPKG_DB, HostState, NotContained, check_contained, host_state, in_box, ok
 
@@ -111,6 +116,17 @@ def test_package_contents(deb: Path) -> None:
         (f"{share}/grafana/kimi-serve.json", "etc/grafana/kimi-serve.json"),
     ]:
         assert files[installed] == (REPO_ROOT / source).read_bytes(), installed
+
+    # The runbook, uncompressed where every alert links to it by default, and every alert of
+    # the shipped rules landing on a heading of the shipped runbook.
+    runbook = files[RUNBOOK_INSTALLED]
+    assert runbook == (REPO_ROOT / "docs" / "runbook.md").read_bytes()
+    assert f"{RUNBOOK_INSTALLED}.gz" not in members
+    shipped_rules = yaml.safe_load(files[f"{share}/prometheus/kimi-serve-rules.yml"])
+    alerts = [r for g in shipped_rules["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts
+    assert all(RUNBOOK_DEFAULT_URL in r["annotations"]["runbook_url"] for r in alerts)
+    assert unknown_runbook_anchors(alerts, runbook.decode()) == []
 
     # Only the config is a conffile.
     assert scripts["conffiles"].split() == [CONFIG]
