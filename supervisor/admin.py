@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor import admin_token, log
+from supervisor import admin_token, log, untrusted
 
 if TYPE_CHECKING:
     from supervisor.config import Config
@@ -306,7 +306,7 @@ def build_app(
         if group is None:
             return web.json_response({"error": "not a multi-node replica"}, status=404)
         try:
-            body = await request.json()
+            body = untrusted.loads(await request.read())
         except ValueError:
             return web.json_response({"accepted": False, "error": "body is not JSON"}, status=400)
         return web.json_response(group.end_requested(body), dumps=_dumps)
