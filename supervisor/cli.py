@@ -47,7 +47,10 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EX_CONFIG
     for warning in command.launch_warnings(cfg):
         print(f"warning: {warning}", file=err)
-    for warning in config_mod.warnings(cfg):
+    from supervisor import router
+
+    clear = router.key_in_clear(cfg.router)
+    for warning in [*config_mod.warnings(cfg), *([clear] if clear else [])]:
         print(f"{cfg.path}: warning: {warning}", file=err)
     print("ok", file=out)
     return EX_OK
@@ -127,6 +130,13 @@ def _token_file_problem(cfg: Config) -> str | None:
             admin_token.load(g.token_file)
         except admin_token.TokenFileError as exc:
             return f"{exc.message} (group.token_file in {cfg.path})"
+    key = cfg.router.api_key_file
+    if key is not None:
+        # Sent to the router: others must not read it, nor swap it for a key of their own.
+        try:
+            admin_token.read_secret(key, "router.api_key_file")
+        except admin_token.TokenFileError as exc:
+            return f"{exc.message} (router.api_key_file in {cfg.path})"
     return None
 
 
