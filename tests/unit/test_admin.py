@@ -4,6 +4,7 @@ a small backend standing in for the daemon, the real token file on disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import stat
@@ -488,11 +489,12 @@ async def test_slow_clients_are_cut_off_and_others_are_served(tmp_path: Path) ->
 
 
 async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path) -> None:
-    limits = admin.Limits(max_connections=8)
+    limits = admin.Limits(max_connections=8, reserve_connections=0)
     _, served = await open_endpoint(tmp_path, limits=limits)
     try:
         hoard = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(8)]
-        await asyncio.sleep(0.6)  # idle longer than the gate's eviction threshold
+        while served.gate.open < 8:
+            await asyncio.sleep(0.01)
         answer = await raw_request(
             served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
@@ -503,6 +505,77 @@ async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path
         assert await asyncio.wait_for(reader.read(), 1) == b""
         for _, writer in hoard:
             writer.close()
+    finally:
+        await served.stop()
+
+
+async def test_at_the_connection_limit_the_longest_waiting_trickler_makes_room(
+    tmp_path: Path,
+) -> None:
+    """Slow clients that never pause long enough to look idle: a byte every 0.1 s each."""
+    limits = admin.Limits(max_connections=4, reserve_connections=0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    stop = asyncio.Event()
+    conns = []
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\n")
+        while not stop.is_set():
+            writer.write(b"X")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            await asyncio.sleep(0.1)
+
+    try:
+        for _ in range(4):
+            conns.append(await asyncio.open_connection("127.0.0.1", served.port))
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        tricklers = [asyncio.create_task(trickle(w)) for _, w in conns]
+        livez = b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        answer = await raw_request(served.port, livez)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert (served.gate.evicted, served.gate.refused) == (1, 0)
+        assert await asyncio.wait_for(conns[0][0].read(), 1) == b""
+        # A new trickler takes the free slot; the next newcomer again ends the oldest one.
+        conns.append(await asyncio.open_connection("127.0.0.1", served.port))
+        tricklers.append(asyncio.create_task(trickle(conns[-1][1])))
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        answer = await raw_request(served.port, livez)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert (served.gate.evicted, served.gate.refused) == (2, 0)
+        assert await asyncio.wait_for(conns[1][0].read(), 1) == b""
+        assert not any(r.at_eof() for r, _ in conns[2:])
+        stop.set()
+        await asyncio.gather(*tricklers)
+    finally:
+        for _, w in conns:
+            w.close()
+        await served.stop()
+
+
+async def test_a_trickled_head_is_cut_at_the_deadline_without_pressure(tmp_path: Path) -> None:
+    """The gate's own deadline, whatever aiohttp's timers do: request_timeout_s for a head."""
+    limits = admin.Limits(request_timeout_s=1.0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        started = loop.time()
+        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(100):
+            if reader.at_eof():
+                break
+            writer.write(b"X")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.1)
+        cut_after = loop.time() - started
+        assert reader.at_eof() and 0.9 <= cut_after < 3.0, cut_after
+        assert served.gate.open == 0
+        writer.close()
     finally:
         await served.stop()
 
@@ -518,7 +591,7 @@ async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_g
         await release.wait()
         return {"drained": True}
 
-    limits = admin.Limits(max_connections=4)
+    limits = admin.Limits(max_connections=4, reserve_connections=1)
     backend, served = await open_endpoint(tmp_path, on_drain=drain, limits=limits)
     token = Path(backend.cfg.admin.token_file).read_text().strip()
     request = (
@@ -532,10 +605,23 @@ async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_g
         while len(started) < 4 and loop.time() < deadline:
             await asyncio.sleep(0.01)
         assert len(started) == 4
-        await asyncio.sleep(0.6)  # long-running requests are never "idle"
-        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        # The reserve: one more loopback client, kept while it waits for its answer.
+        probe_reader, probe_writer = await asyncio.open_connection("127.0.0.1", served.port)
+        while served.gate.open < 5:
+            await asyncio.sleep(0.01)
+        # Requests in progress are never taken for a slow client; nor is the reserve's.
+        livez = b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        answer = await raw_request(served.port, livez)
+        assert (served.gate.refused, served.gate.evicted) == (0, 1)  # the idle reserve one
+        assert await asyncio.wait_for(probe_reader.read(), 1) == b""
+        probe_writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        drains.append(asyncio.create_task(raw_request(served.port, request)))
+        while len(started) < 5:
+            await asyncio.sleep(0.01)
+        answer = await raw_request(served.port, livez)
         assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
-        assert (served.gate.refused, served.gate.evicted) == (1, 0)
+        assert (served.gate.refused, served.gate.evicted) == (1, 1)
         release.set()
         for answer in await asyncio.gather(*drains):
             assert answer.startswith(b"HTTP/1.1 200"), answer
