@@ -20,6 +20,7 @@ descriptors or lock out /livez, /readyz and /metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import ipaddress
 import json
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor import admin_token, log, untrusted
+from supervisor import admin_token, log, sockowner, untrusted
 
 if TYPE_CHECKING:
     from supervisor.config import Config
@@ -528,6 +529,16 @@ def _server_logger() -> logging.Logger:
         logger.addHandler(_OneLine())
         logger.propagate = False
     return logger
+
+
+def holder(host: str, port: int) -> str:
+    """For the message of a failed bind: who holds host:port, as the kernel lists it."""
+    with contextlib.suppress(OSError, ValueError):
+        uids = sockowner.listener_uids(host, port)
+        if uids:
+            who = ", ".join(sockowner.user_name(u) for u in sorted(uids))
+            return f" (held by {who}; `ss -ltnpe 'sport = :{port}'` shows the process)"
+    return ""
 
 
 @dataclass

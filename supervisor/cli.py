@@ -18,9 +18,9 @@ from supervisor.preflight import EX_CONFIG
 
 EX_OK = 0
 EX_FAIL = 1
-# `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py;
-# `restart`, `drain`, `undrain` theirs (0, 1 refused, 4 unreachable, 77 no permission):
-# see supervisor/control.py.
+# `status` has its own (0 ready, 3 not ready, 4 unreachable, 5 the port held by another
+# user): see supervisor/status.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
+# 4 unreachable, 5 the port held by another user, 77 no permission): supervisor/control.py.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -189,17 +189,21 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import status
+    from supervisor import admin_token, status
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
         token = _token_if_readable(args.token_file)
-        return status.run_status_command(args.url, args.json, out, err, token)
+        trusted = admin_token.service_uids(args.token_file) if args.token_file else None
+        return status.run_status_command(args.url, args.json, out, err, token, trusted)
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    token = _token_if_readable(args.token_file or cfg.admin.token_file)
-    return status.run_status_command(f"http://{cfg.admin.listen}", args.json, out, err, token)
+    token_file = args.token_file or cfg.admin.token_file
+    token = _token_if_readable(token_file)
+    base = f"http://{cfg.admin.listen}"
+    trusted = admin_token.service_uids(token_file)
+    return status.run_status_command(base, args.json, out, err, token, trusted)
 
 
 def _token_if_readable(path: str | None) -> str | None:
