@@ -351,6 +351,9 @@ _BUSY = (
 )
 
 
+FRESH_S = 0.5
+
+
 class _Gate:
     """Open connections, at most `limit`, plus `reserve` more for loopback clients.
 
@@ -402,8 +405,12 @@ class _Gate:
         pending = [c for c in self.live if c.transport is not None and c.pending()]
         if not pending:
             return False
+        now = time.monotonic()
+        # A connection that has sent nothing yet and is younger than FRESH_S goes last: under
+        # a flood of connections the loop may accept a batch of them before it reads the
+        # probe that arrived among them, whole, in its first packet.
         self.evicted += 1
-        min(pending, key=lambda c: c.since).close()
+        min(pending, key=lambda c: (c.fresh(now), c.since)).close()
         return True
 
     def sweep(self) -> None:
@@ -445,6 +452,9 @@ class _Counted(asyncio.Protocol):
 
     def pending(self) -> bool:
         return self.in_flight == 0 and self.head is not None and not self.busy
+
+    def fresh(self, now: float) -> bool:
+        return self.head == b"" and self.in_flight == 0 and now - self.since < FRESH_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
