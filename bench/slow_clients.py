@@ -5,9 +5,9 @@
 
 The real daemon on the stand-in, ready; then N loopback connections each send a request head
 one byte every 0.3 s, never finishing it, and open again at once when cut
-(testkit.slowclients.Trickle). Meanwhile GET /livez, /readyz and /metrics in turn, each on a
-fresh connection, every 0.1 s (testkit.slowclients.Prober). One row per N: how many probes
-failed (no answer within 5 s, or not 200) and the /livez latency.
+(testkit.slowclients.Trickle, in a process of its own). Meanwhile GET /livez, /readyz and
+/metrics in turn, each on a fresh connection, every 0.1 s (testkit.slowclients.Prober). One
+row per N: how many probes failed (no answer within 5 s, or not 200) and the /livez latency.
 """
 
 from __future__ import annotations
@@ -21,22 +21,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from testkit import base_config, running
-from testkit.slowclients import Prober, Summary, Trickle
+from testkit.slowclients import Prober, Summary, TrickleProcess
 
 
-def attack(clients: int, interval: float, seconds: float) -> tuple[Summary, Trickle]:
+def attack(clients: int, interval: float, seconds: float) -> tuple[Summary, dict[str, int]]:
     with tempfile.TemporaryDirectory(prefix="kimi-bench-slow-") as tmp:
         cfg = base_config(Path(tmp))
         with running(Path(tmp), cfg) as d:
             d.wait_state("ready")
             host, port = cfg["admin"]["listen"].rsplit(":", 1)
-            with Trickle(host, int(port), clients, interval) as t:
-                while t.held < clients and t.cut == 0:
-                    time.sleep(0.05)
-                with Prober(d.admin, every=0.1, timeout=5.0) as p:
-                    time.sleep(seconds)
+            attacker = TrickleProcess(host, int(port), clients, interval)
+            with attacker as t, Prober(d.admin, every=0.1, timeout=5.0) as p:
+                time.sleep(seconds)
             assert d.status()["restarts"] == {}, "SGLang was restarted"
-    return p.summary, t
+    return p.summary, t.stats
 
 
 def main() -> None:
@@ -55,7 +53,7 @@ def main() -> None:
         print(
             f"| {n} | {args.interval:g} s | {len(s.results)} | {len(s.failures)} "
             f"| {s.quantile(0.5, '/livez') * 1000:.0f} | {s.quantile(0.99, '/livez') * 1000:.0f} "
-            f"| {s.slowest() * 1000:.0f} | {t.connections} | {t.cut} |",
+            f"| {s.slowest() * 1000:.0f} | {t['connections']} | {t['cut']} |",
             flush=True,
         )
 

@@ -394,31 +394,40 @@ class _Gate:
         """At connection_made: whether `conn` may have a slot (then it is counted in)."""
         room = self.limit + (self.reserve if loopback else 0)
         now = time.monotonic()
-        if len(self.live) >= room and not self._evict_one():
-            self.refused += 1
-            self._warn(now)
-            return False
+        if len(self.live) >= room and not self._evict_one(now):
+            # Every pending connection is fresh (a flood's batch, a probe among it): over the
+            # limit for now, up to twice it; the sweep trims back once they are not. With no
+            # pending connection at all (every one has a request in progress): refused.
+            fresh = any(c.fresh(now) for c in self.live)
+            if not fresh or len(self.live) >= 2 * (self.limit + self.reserve):
+                self.refused += 1
+                self._warn(now)
+                return False
         self.live.add(conn)
         return True
 
-    def _evict_one(self) -> bool:
-        pending = [c for c in self.live if c.transport is not None and c.pending()]
+    def _evict_one(self, now: float) -> bool:
+        """Close the connection pending longest, of those not fresh (a connection that has
+        sent nothing for under FRESH_S: the loop may accept a flood's batch before it reads
+        the probe that arrived among it, whole, in its first packet)."""
+        pending = [
+            c for c in self.live if c.transport is not None and c.pending() and not c.fresh(now)
+        ]
         if not pending:
             return False
-        now = time.monotonic()
-        # A connection that has sent nothing yet and is younger than FRESH_S goes last: under
-        # a flood of connections the loop may accept a batch of them before it reads the
-        # probe that arrived among them, whole, in its first packet.
         self.evicted += 1
-        min(pending, key=lambda c: (c.fresh(now), c.since)).close()
+        min(pending, key=lambda c: c.since).close()
         return True
 
     def sweep(self) -> None:
-        """Close every connection pending longer than `deadline_s`."""
+        """Close every connection pending longer than `deadline_s`, then trim back to the
+        limit what a flood put over it."""
         now = time.monotonic()
         for c in [c for c in self.live if c.pending() and now - c.since > self.deadline_s]:
             self.expired += 1
             c.close()
+        while len(self.live) > self.limit + self.reserve and self._evict_one(now):
+            pass
 
     def _warn(self, now: float) -> None:
         if now - self._logged_at >= 60.0:

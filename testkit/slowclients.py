@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
-
-import httpx
+from pathlib import Path
 
 HEAD = b"GET /livez HTTP/1.1\r\nHost: kimi-serve\r\nX-Slow: " + b"a" * 100_000
 
@@ -133,18 +136,73 @@ class Prober(_Threaded):
 
     async def _main(self) -> None:
         self.started.set()
+        url = urllib.parse.urlsplit(self.base)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
         i = 0
         while not self.stop.is_set():
             path = self.PATHS[i % len(self.PATHS)]
             i += 1
             # A fresh connection each time, as the kubelet's and a load balancer's probes.
-            async with httpx.AsyncClient(trust_env=False, timeout=self.timeout) as client:
-                started = time.monotonic()
-                try:
-                    r = await client.get(self.base + path)
-                    result = Probed(path, time.monotonic() - started, r.status_code)
-                except httpx.HTTPError as exc:
-                    took = time.monotonic() - started
-                    result = Probed(path, took, None, repr(exc))
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    status = await self._get(host, port, path)
+                result = Probed(path, time.monotonic() - started, status)
+            except (OSError, TimeoutError, ValueError) as exc:
+                result = Probed(path, time.monotonic() - started, None, repr(exc))
             self.summary.results.append(result)
             await asyncio.sleep(self.every)
+
+    @staticmethod
+    async def _get(host: str, port: int, path: str) -> int:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            )
+            await writer.drain()
+            answer = await reader.read()  # to the end: the whole answer, as a probe reads it
+        finally:
+            writer.close()
+        if not answer.startswith(b"HTTP/1.1 "):
+            raise ValueError(f"not an HTTP answer: {answer[:40]!r}")
+        return int(answer[9:12])
+
+
+class TrickleProcess:
+    """`Trickle` in a process of its own, so the attack's own CPU (the interpreter's lock) is
+    not counted in the prober's latencies. Its figures arrive as one JSON line at the end."""
+
+    def __init__(self, host: str, port: int, clients: int = 70, interval: float = 0.3) -> None:
+        self.args = [host, str(port), str(clients), str(interval)]
+        self.stats: dict[str, int] = {}
+
+    def __enter__(self) -> TrickleProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "testkit.slowclients", *self.args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert self.proc.stdout is not None
+        # "holding" once every connection is open, or the server has begun cutting them.
+        assert self.proc.stdout.readline().strip() == "holding"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self.proc.communicate("stop\n", timeout=60)
+        self.stats = json.loads(out.strip().splitlines()[-1])
+
+
+def _serve_attack(host: str, port: int, clients: int, interval: float) -> None:
+    with Trickle(host, port, clients, interval) as t:
+        while t.held < clients and t.cut == 0:
+            time.sleep(0.05)
+        print("holding", flush=True)
+        sys.stdin.readline()  # until told to stop (or the parent is gone)
+    print(json.dumps({"connections": t.connections, "cut": t.cut, "refused": t.refused}))
+
+
+if __name__ == "__main__":
+    _serve_attack(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))

@@ -429,10 +429,10 @@ async def test_an_oversized_body_is_413_and_nothing_is_done(ep: Endpoint) -> Non
     assert (await ep.client.get("/livez")).status_code == 200
 
 
-async def cut(reader: asyncio.StreamReader) -> bool:
+async def cut(reader: asyncio.StreamReader, within: float = 1.0) -> bool:
     """Whether the server closed this connection (an abort may arrive as a reset)."""
     try:
-        return await asyncio.wait_for(reader.read(), 1) == b""
+        return await asyncio.wait_for(reader.read(), within) == b""
     except ConnectionResetError:
         return True
 
@@ -496,7 +496,10 @@ async def test_slow_clients_are_cut_off_and_others_are_served(tmp_path: Path) ->
         await served.stop()
 
 
-async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path) -> None:
+async def test_at_the_connection_limit_idle_connections_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin, "FRESH_S", 0.0)  # the hoard counts as idle at once
     limits = admin.Limits(max_connections=8, reserve_connections=0)
     _, served = await open_endpoint(tmp_path, limits=limits)
     try:
@@ -513,6 +516,30 @@ async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path
         assert await cut(reader)
         for _, writer in hoard:
             writer.close()
+    finally:
+        await served.stop()
+
+
+async def test_at_the_connection_limit_fresh_connections_are_kept_for_a_while(
+    tmp_path: Path,
+) -> None:
+    """Connections that have sent nothing yet are never the ones cut at once (a probe may be
+    among them, its request not read yet): the newcomer is let in over the limit, up to
+    twice it, and the sweep trims back once they are no longer fresh."""
+    limits = admin.Limits(max_connections=2, reserve_connections=0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    try:
+        conns = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(4)]
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        assert (served.gate.evicted, served.gate.refused) == (0, 0)
+        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503"), answer  # twice the limit: refused
+        # Once no longer fresh, the sweep closes the oldest until the limit holds again.
+        assert await cut(conns[0][0], 5) and await cut(conns[1][0], 5)
+        assert served.gate.open == 2 and served.gate.evicted == 2
+        for _, w in conns:
+            w.close()
     finally:
         await served.stop()
 
@@ -589,8 +616,9 @@ async def test_a_trickled_head_is_cut_at_the_deadline_without_pressure(tmp_path:
 
 
 async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_get_503(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(admin, "FRESH_S", 0.0)  # the reserve's idle client counts as idle
     release = asyncio.Event()
     started: list[int] = []
 
