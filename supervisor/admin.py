@@ -9,16 +9,20 @@ and so does a GET route not marked open, so a route added later cannot forget it
 See docs/security.md for the threat model.
 
 The endpoint must stay responsive, and never stall the loop, whatever a client sends: bodies
-are bounded (`Limits.max_body_bytes`), a connection that does not deliver its request headers
-within `Limits.request_timeout_s` is closed (slowloris), and connections beyond
-`Limits.max_connections` get a 503 and are closed at once, so a leak cannot take the
-daemon's file descriptors.
+are bounded (`Limits.max_body_bytes`), a connection that does not deliver a whole request head
+within `Limits.request_timeout_s` of connecting or of its last answer is closed, however it
+trickles (slowloris), and at `Limits.max_connections` a newcomer takes the place of the
+connection that has waited longest for its request head (`_Gate`), with a reserve for
+loopback clients; so neither a leak nor a slow client can take the daemon's file
+descriptors or lock out /livez, /readyz and /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import ipaddress
 import json
 import logging
 import time
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor import admin_token, log
+from supervisor import admin_token, log, sockowner, untrusted
 
 if TYPE_CHECKING:
     from supervisor.config import Config
@@ -85,9 +89,13 @@ class Limits:
     # Prometheus, a probe and a few operators need a handful; the rest are leaks or attacks.
     # Well under the daemon's file descriptors, which SGLang's launch also needs.
     max_connections: int = 64
-    # aiohttp closes a connection that has not delivered a whole request head within its
-    # keep-alive timeout of connecting or of the previous answer: partial headers trickled
-    # byte by byte (slowloris) do not extend it.
+    # Beyond max_connections, for loopback clients only: Prometheus or a probe on the host,
+    # `kimi-serve status`, when remote clients hold every other slot with requests in progress.
+    reserve_connections: int = 8
+    # A connection must deliver a whole request head within this long of connecting or of the
+    # end of its previous request (and a body it is asked for within as long again), however
+    # it trickles: the gate's sweep closes it otherwise (so does aiohttp's keep-alive timer,
+    # set to the same value).
     request_timeout_s: float = 10.0
     # After an answer, unread request bytes are drained at most this long.
     lingering_s: float = 2.0
@@ -325,7 +333,12 @@ def build_app(
         if group is None:
             return web.json_response({"error": "not a multi-node replica"}, status=404)
         try:
-            body = await request.json()
+            async with asyncio.timeout(limits.request_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            return web.json_response({"accepted": False, "error": "body too slow"}, status=408)
+        try:
+            body = untrusted.loads(raw)
         except ValueError:
             return web.json_response({"accepted": False, "error": "body is not JSON"}, status=400)
         return web.json_response(group.end_requested(body), dumps=_dumps)
@@ -357,19 +370,32 @@ _BUSY = (
 )
 
 
-class _Gate:
-    """Open connections, at most `limit`. At the limit a new connection takes the place of the
-    one idle longest (no request in progress, nothing received for `evict_idle_s`), so a client
-    that hoards connections cannot lock out Prometheus, a probe or an operator; only when every
-    connection is busy does the newcomer get a 503 and is closed."""
+FRESH_S = 0.5
 
-    def __init__(self, limit: int, evict_idle_s: float = 0.5) -> None:
+
+class _Gate:
+    """Open connections, at most `limit`, plus `reserve` more for loopback clients.
+
+    A connection counts as *pending* from its start, or from the end of its last request, until
+    its next request head is complete: that is what a slow client holds, whatever it trickles.
+    At the limit a newcomer takes the place of the connection pending longest, so a client
+    that hoards connections, or feeds each a byte at a time, cannot lock out Prometheus, a
+    probe or an operator: their requests arrive whole in one packet and are under way before
+    their connection is the oldest pending one. Only when no connection is pending (every one
+    has a request in progress) is the newcomer refused (503); a loopback newcomer (Prometheus
+    or a probe on the host, `kimi-serve status`) first gets one of the `reserve` slots, which
+    remote clients never take. Apart from that, `sweep` closes a connection pending longer
+    than `deadline_s`: a whole request head within that time, or the connection goes."""
+
+    def __init__(self, limit: int, reserve: int = 0, deadline_s: float = 10.0) -> None:
         self.limit = limit
-        self.evict_idle_s = evict_idle_s
+        self.reserve = reserve
+        self.deadline_s = deadline_s
         self.live: set[_Counted] = set()
         self.by_transport: dict[asyncio.BaseTransport, _Counted] = {}
         self.refused = 0
         self.evicted = 0
+        self.expired = 0
         self._logged_at = -60.0
 
     @property
@@ -378,31 +404,49 @@ class _Gate:
 
     def factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         def make() -> asyncio.Protocol:
-            now = time.monotonic()
-            if len(self.live) >= self.limit and not self._evict_one(now):
-                self.refused += 1
-                self._warn(now)
-                return _Busy()
-            conn = _Counted(inner(), self, now)
-            self.live.add(conn)
-            return conn
+            # Admitted or refused in connection_made, once the peer's address is known.
+            return _Counted(inner(), self, time.monotonic())
 
         return make
 
-    def _evict_one(self, now: float) -> bool:
-        idle = [
-            c
-            for c in self.live
-            if c.transport is not None and not c.in_flight and now - c.last >= self.evict_idle_s
-        ]
-        if not idle:
-            return False
-        oldest = min(idle, key=lambda c: c.last)
-        self.evicted += 1
-        oldest.forget()
-        assert oldest.transport is not None
-        oldest.transport.abort()
+    def admit(self, conn: _Counted, loopback: bool) -> bool:
+        """At connection_made: whether `conn` may have a slot (then it is counted in)."""
+        room = self.limit + (self.reserve if loopback else 0)
+        now = time.monotonic()
+        if len(self.live) >= room and not self._evict_one(now):
+            # Every pending connection is fresh (a flood's batch, a probe among it): over the
+            # limit for now, up to twice it; the sweep trims back once they are not. With no
+            # pending connection at all (every one has a request in progress): refused.
+            fresh = any(c.fresh(now) for c in self.live)
+            if not fresh or len(self.live) >= 2 * (self.limit + self.reserve):
+                self.refused += 1
+                self._warn(now)
+                return False
+        self.live.add(conn)
         return True
+
+    def _evict_one(self, now: float) -> bool:
+        """Close the connection pending longest, of those not fresh (a connection that has
+        sent nothing for under FRESH_S: the loop may accept a flood's batch before it reads
+        the probe that arrived among it, whole, in its first packet)."""
+        pending = [
+            c for c in self.live if c.transport is not None and c.pending() and not c.fresh(now)
+        ]
+        if not pending:
+            return False
+        self.evicted += 1
+        min(pending, key=lambda c: c.since).close()
+        return True
+
+    def sweep(self) -> None:
+        """Close every connection pending longer than `deadline_s`, then trim back to the
+        limit what a flood put over it."""
+        now = time.monotonic()
+        for c in [c for c in self.live if c.pending() and now - c.since > self.deadline_s]:
+            self.expired += 1
+            c.close()
+        while len(self.live) > self.limit + self.reserve and self._evict_one(now):
+            pass
 
     def _warn(self, now: float) -> None:
         if now - self._logged_at >= 60.0:
@@ -414,46 +458,67 @@ class _Gate:
             )
 
     def request(self, transport: asyncio.BaseTransport | None, delta: int) -> None:
-        """A request starts (+1) or ends (-1) on this connection: not idle meanwhile."""
+        """A request starts (+1) or ends (-1) on this connection: not pending meanwhile, and
+        pending again, from now, once it ends."""
         conn = self.by_transport.get(transport) if transport is not None else None
         if conn is not None:
             conn.in_flight += delta
-            conn.last = time.monotonic()
-
-
-class _Busy(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(_BUSY)
-        transport.close()
+            if delta < 0 and conn.in_flight == 0:
+                conn.since, conn.head = time.monotonic(), b""
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's protocol, unchanged, with the connection counted in and out."""
+    """aiohttp's protocol, unchanged, with the connection counted in and out and watched for
+    the end of a request head (an empty line), to tell a request on its way from one held."""
 
     def __init__(self, inner: asyncio.Protocol, gate: _Gate, now: float) -> None:
-        self.inner, self.gate, self.last = inner, gate, now
+        self.inner, self.gate, self.since = inner, gate, now
         self.transport: asyncio.Transport | None = None
         self.in_flight = 0
+        self.head: bytes | None = b""  # the last bytes seen of a head; None once it is whole
+        self.busy = False  # refused at the limit: answered 503, never handed to aiohttp
+
+    def pending(self) -> bool:
+        return self.in_flight == 0 and self.head is not None and not self.busy
+
+    def fresh(self, now: float) -> bool:
+        return self.head == b"" and self.in_flight == 0 and now - self.since < FRESH_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if not self.gate.admit(self, _is_loopback(transport.get_extra_info("peername"))):
+            self.busy = True
+            transport.write(_BUSY)
+            transport.close()
+            return
         self.gate.by_transport[transport] = self
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self.last = time.monotonic()
+        if self.busy:
+            return
+        if self.head is not None:
+            seen = self.head + data
+            # The empty line may come split over packets: keep the last 3 bytes.
+            self.head = None if b"\r\n\r\n" in seen else seen[-3:]
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        return None if self.busy else self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if not self.busy:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if not self.busy:
+            self.inner.resume_writing()
+
+    def close(self) -> None:
+        self.forget()
+        if self.transport is not None:
+            self.transport.abort()
 
     def forget(self) -> None:
         self.gate.live.discard(self)
@@ -462,7 +527,15 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.forget()
-        self.inner.connection_lost(exc)
+        if not self.busy:
+            self.inner.connection_lost(exc)
+
+
+def _is_loopback(peer: Any) -> bool:
+    try:
+        return ipaddress.ip_address(str(peer[0]).split("%")[0]).is_loopback
+    except (TypeError, IndexError, ValueError):
+        return False
 
 
 class _OneLine(logging.Handler):
@@ -496,6 +569,16 @@ def _server_logger() -> logging.Logger:
     return logger
 
 
+def holder(host: str, port: int) -> str:
+    """For the message of a failed bind: who holds host:port, as the kernel lists it."""
+    with contextlib.suppress(OSError, ValueError):
+        uids = sockowner.listener_uids(host, port)
+        if uids:
+            who = ", ".join(sockowner.user_name(u) for u in sorted(uids))
+            return f" (held by {who}; `ss -ltnpe 'sport = :{port}'` shows the process)"
+    return ""
+
+
 @dataclass
 class Served:
     """A running admin endpoint: its port (for port 0) and how to stop it."""
@@ -518,7 +601,7 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits = Lim
         max_headers=limits.max_headers,
         logger=_server_logger(),
     )
-    gate = _Gate(limits.max_connections)
+    gate = _Gate(limits.max_connections, limits.reserve_connections, limits.request_timeout_s)
     app[GATE] = gate
     await runner.setup()
     server = runner.server
@@ -530,7 +613,15 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits = Lim
         await runner.cleanup()
         raise
 
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(1.0, limits.request_timeout_s / 4))
+            gate.sweep()
+
+    sweeper = loop.create_task(sweep())
+
     async def stop() -> None:
+        sweeper.cancel()
         listener.close()
         await runner.cleanup()
 

@@ -49,7 +49,13 @@ class Token:
 
     def matches(self, presented: str) -> bool:
         # Constant time in the presented value: a timing oracle must not reveal a prefix.
-        return hmac.compare_digest(self.value.encode(), presented.encode())
+        try:
+            given = presented.encode("ascii")
+        except UnicodeEncodeError:
+            # Bytes that are not UTF-8 reach us as lone surrogates (aiohttp decodes headers
+            # with surrogateescape); no token is anything but ASCII: simply wrong.
+            return False
+        return hmac.compare_digest(self.value.encode(), given)
 
 
 def ensure(path: str) -> Token:
@@ -138,7 +144,9 @@ def load(path: str) -> Token:
     return Token(_parse(path, data), _identity(st))
 
 
-def resolve(path: str) -> tuple[str, os.stat_result]:
+def resolve(
+    path: str, trusted: frozenset[int] | None = None, what: str = "admin token file"
+) -> tuple[str, os.stat_result]:
     """The file `path` names, links followed one component at a time, and its lstat.
 
     Every directory on the way must belong to root or the service user and be writable by
@@ -146,86 +154,105 @@ def resolve(path: str) -> tuple[str, os.stat_result]:
     tmpfs of mode 1777) whose entry we use belongs to root or the service user: the sticky bit
     keeps others from renaming or removing it. Every link followed must belong to root or the
     service user. So nobody else can point the path at a file of their choosing, now or by a
-    later swap. TokenFileError names the component that breaks the rule."""
-    me = os.geteuid()
+    later swap. TokenFileError names the component that breaks the rule. `trusted`: the uids
+    taken for root and the service user (default root and this process's user)."""
+    ok = trusted if trusted is not None else frozenset({0, os.geteuid()})
+    me = _service(ok)
     # Not os.path.abspath: it drops "x/.." before x is known to be a directory or a link.
     full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
     todo = [c for c in reversed(full.split("/")) if c]
     current = "/"
-    dir_st = _lstat(path, current)
+    dir_st = _lstat(path, current, what)
     links = 0
     while True:
-        _check_dir(path, current, dir_st)
+        _check_dir(path, current, dir_st, ok, what)
         if not todo:
-            raise TokenFileError(f"admin token file {path} is a directory")
+            raise TokenFileError(f"{what} {path} is a directory")
         name = todo.pop()
         if name == ".":
             continue
         if name == "..":
             current = os.path.dirname(current)
-            dir_st = _lstat(path, current)
+            dir_st = _lstat(path, current, what)
             continue
         entry = os.path.join(current, name)
-        st = _lstat(path, entry)
-        if dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and st.st_uid not in (0, me):
+        st = _lstat(path, entry, what)
+        if dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and st.st_uid not in ok:
             raise TokenFileError(
-                f"admin token file {path}: {entry} belongs to uid {st.st_uid} in a directory "
+                f"{what} {path}: {entry} belongs to uid {st.st_uid} in a directory "
                 f"others can write ({current}); refusing it"
             )
         if stat.S_ISLNK(st.st_mode):
             links += 1
             if links > MAX_LINKS:
-                raise TokenFileError(f"admin token file {path}: more than {MAX_LINKS} links")
-            if st.st_uid not in (0, me):
+                raise TokenFileError(f"{what} {path}: more than {MAX_LINKS} links")
+            if st.st_uid not in ok:
                 raise TokenFileError(
-                    f"admin token file {path}: the link {entry} belongs to uid {st.st_uid}, "
+                    f"{what} {path}: the link {entry} belongs to uid {st.st_uid}, "
                     f"not to root or the service user (uid {me}); refusing to follow it"
                 )
             target = os.readlink(entry)
             todo.extend(c for c in reversed(target.split("/")) if c)
             if target.startswith("/"):
                 current = "/"
-                dir_st = _lstat(path, current)
+                dir_st = _lstat(path, current, what)
             continue
         if not todo:
             return entry, st
         current, dir_st = entry, st
 
 
-def _lstat(path: str, component: str) -> os.stat_result:
+def _service(trusted: frozenset[int]) -> int:
+    """The service user's uid among `trusted`, for messages (root where it is the only one)."""
+    return max(trusted)
+
+
+def _lstat(path: str, component: str, what: str = "admin token file") -> os.stat_result:
     try:
         return os.lstat(component)
     except FileNotFoundError:
-        what = "does not exist" if component == path else f"does not exist ({component} is missing)"
-        raise TokenFileError(f"admin token file {path} {what}") from None
+        why = "does not exist" if component == path else f"does not exist ({component} is missing)"
+        raise TokenFileError(f"{what} {path} {why}") from None
     except OSError as exc:
         raise TokenFileError(
-            f"cannot read the admin token file {path}: {component}: {exc.strerror}"
+            f"cannot read the {what} {path}: {component}: {exc.strerror}"
         ) from None
 
 
-def _check_dir(path: str, directory: str, st: os.stat_result) -> None:
+def _check_dir(
+    path: str, directory: str, st: os.stat_result, trusted: frozenset[int], what: str
+) -> None:
     if not stat.S_ISDIR(st.st_mode):
-        raise TokenFileError(f"admin token file {path}: {directory} is not a directory")
-    if st.st_uid not in (0, os.geteuid()):
+        raise TokenFileError(f"{what} {path}: {directory} is not a directory")
+    if st.st_uid not in trusted:
         raise TokenFileError(
-            f"admin token file {path}: the directory {directory} belongs to uid {st.st_uid}, "
-            f"not to root or the service user (uid {os.geteuid()}): its owner could swap the file"
+            f"{what} {path}: the directory {directory} belongs to uid {st.st_uid}, "
+            f"not to root or the service user (uid {_service(trusted)}): its owner could swap "
+            "the file"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise TokenFileError(
-            f"admin token file {path}: the directory {directory} is writable by others "
+            f"{what} {path}: the directory {directory} is writable by others "
             f"(mode {stat.S_IMODE(st.st_mode):04o}): someone else could swap the file"
         )
 
 
-def _permission_problem(st: os.stat_result) -> str | None:
+def _permission_problem(
+    st: os.stat_result, owners: frozenset[int] | None = None, group_read: bool = False
+) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
-    if st.st_uid != os.geteuid():
+    if owners is None and st.st_uid != os.geteuid():
         return f"is owned by uid {st.st_uid}, not by the service user (uid {os.geteuid()})"
+    if owners is not None and st.st_uid not in owners:
+        return f"is owned by uid {st.st_uid}, not by root or the service user"
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if group_read and mode & 0o037:
+        return (
+            f"is mode {mode:04o}: others may read it or group or others write it "
+            "(0600, 0400 or 0640 is required)"
+        )
+    if not group_read and mode & 0o077:
         return (
             f"is mode {mode:04o}: group or others may read or write it (0600 or 0400 is required)"
         )
@@ -264,10 +291,29 @@ def changed(token: Token, path: str) -> bool:
     return _identity(st) != token.identity
 
 
+def service_uids(path: str) -> frozenset[int]:
+    """Whom a client (the CLI, often root) takes for root and the service user: root, itself,
+    and the owner of the directory the token file is configured in (the state directory,
+    `kimi`'s under the shipped unit). The daemon refuses to start with a token directory
+    anyone else owns (check_directory), so nobody else is trusted with it."""
+    uids = {0, os.geteuid()}
+    with contextlib.suppress(OSError):
+        uids.add(os.stat(os.path.dirname(os.path.abspath(path)) or "/").st_uid)
+    return frozenset(uids)
+
+
 def read_for_client(path: str) -> str:
-    """The CLI's read: the token, or TokenFileError naming the file and who may read it."""
+    """The CLI's read: the token, or TokenFileError naming the file and who may read it.
+
+    With the daemon's checks, for the uids of `service_uids`: links and directories only of
+    root's or the service user's making (a link someone else planted could make the CLI
+    send another secret it can read), a regular file of theirs, no access for group or
+    others, one hard link."""
+    trusted = service_uids(path)
+    real, seen = resolve(path, trusted)
+    where = path if real == path else f"{path} (-> {real})"
     try:
-        data = Path(path).read_bytes()[: MAX_FILE_BYTES + 1]
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except PermissionError:
         raise TokenFileError(
             f"cannot read the admin token file {path}: permission denied; only root and the "
@@ -279,8 +325,43 @@ def read_for_client(path: str) -> str:
             "(is it running with the same config? admin.token_file)"
         ) from None
     except OSError as exc:
-        raise TokenFileError(f"cannot read the admin token file {path}: {exc.strerror}") from None
+        raise TokenFileError(f"cannot read the admin token file {where}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+            raise TokenFileError(f"admin token file {where} changed while it was read; retry")
+        problem = _permission_problem(st, trusted)
+        if problem:
+            raise TokenFileError(f"admin token file {where} {problem}; refusing to send it")
+        data = f.read(MAX_FILE_BYTES + 1)
     return _parse(path, data)
+
+
+def read_secret(path: str, what: str) -> str:
+    """Another secret the daemon reads (router.api_key_file): the links and directories as for
+    the token file; a regular file of root or the service user, one hard link, nothing for
+    others and no write for the group (root:kimi 0640 is fine). Its first line, stripped."""
+    trusted = frozenset({0, os.geteuid()})
+    real, seen = resolve(path, trusted, what)
+    where = path if real == path else f"{path} (-> {real})"
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the {what} {where}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+            raise TokenFileError(f"{what} {where} changed while it was read; retry")
+        problem = _permission_problem(st, trusted, group_read=True)
+        if problem:
+            raise TokenFileError(f"{what} {where} {problem}")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise TokenFileError(f"{what} {where} is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise TokenFileError(f"{what} {where} is not ASCII text") from None
 
 
 def _owner(path: str) -> str:

@@ -16,9 +16,9 @@ from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.exits import EX_CONFIG, EX_FAIL, EX_OK
 
-# `status` has its own (0 ready, 3 not ready, 4 unreachable): see supervisor/status.py;
-# `restart`, `drain`, `undrain` theirs (0, 1 refused, 4 unreachable, 77 no permission):
-# see supervisor/control.py.
+# `status` has its own (0 ready, 3 not ready, 4 unreachable, 5 the port held by another
+# user): see supervisor/status.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
+# 4 unreachable, 5 the port held by another user, 77 no permission): supervisor/control.py.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,7 +45,10 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EX_CONFIG
     for warning in command.launch_warnings(cfg):
         print(f"warning: {warning}", file=err)
-    for warning in config_mod.warnings(cfg):
+    from supervisor import router
+
+    clear = router.key_in_clear(cfg.router)
+    for warning in [*config_mod.warnings(cfg), *([clear] if clear else [])]:
         print(f"{cfg.path}: warning: {warning}", file=err)
     print("ok", file=out)
     return EX_OK
@@ -125,6 +128,13 @@ def _token_file_problem(cfg: Config) -> str | None:
             admin_token.load(g.token_file)
         except admin_token.TokenFileError as exc:
             return f"{exc.message} (group.token_file in {cfg.path})"
+    key = cfg.router.api_key_file
+    if key is not None:
+        # Sent to the router: others must not read it, nor swap it for a key of their own.
+        try:
+            admin_token.read_secret(key, "router.api_key_file")
+        except admin_token.TokenFileError as exc:
+            return f"{exc.message} (router.api_key_file in {cfg.path})"
     return None
 
 
@@ -184,17 +194,21 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import status
+    from supervisor import admin_token, status
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
         token = _token_if_readable(args.token_file)
-        return status.run_status_command(args.url, args.json, out, err, token)
+        trusted = admin_token.service_uids(args.token_file) if args.token_file else None
+        return status.run_status_command(args.url, args.json, out, err, token, trusted)
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    token = _token_if_readable(args.token_file or cfg.admin.token_file)
-    return status.run_status_command(f"http://{cfg.admin.listen}", args.json, out, err, token)
+    token_file = args.token_file or cfg.admin.token_file
+    token = _token_if_readable(token_file)
+    base = f"http://{cfg.admin.listen}"
+    trusted = admin_token.service_uids(token_file)
+    return status.run_status_command(base, args.json, out, err, token, trusted)
 
 
 def _token_if_readable(path: str | None) -> str | None:

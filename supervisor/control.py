@@ -2,8 +2,9 @@
 daemon's admin endpoint, authenticated with the token of `admin.token_file`.
 
 Exit codes (README.md, CLI table): 0 done (or, for restart, accepted), 1 the daemon refused,
-does not support or failed the operation, 4 the daemon is unreachable, 77 (EX_NOPERM) the
-token file cannot be read or the daemon rejected the token.
+does not support or failed the operation, 4 the daemon is unreachable, 5 the admin address is
+held by another user's socket (nothing sent: adminclient), 77 (EX_NOPERM) the token file
+cannot be read or the daemon rejected the token.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
-import httpx
-
-from supervisor import admin_token
-from supervisor.exits import EX_DONE, EX_NOPERM, EX_REFUSED, EX_UNREACHABLE
+from supervisor import admin_token, adminclient
+from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
 
 WHAT = {
     "restart": "restart SGLang (reason manual); the relaunch takes as long as a model load",
@@ -37,22 +36,27 @@ def run_operation(
     token = read_token(token_file, command, err)
     if token is None:
         return EX_NOPERM
-    url = f"{base.rstrip('/')}/{command}"
     try:
-        r = httpx.post(
-            url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(5.0, read=timeout),
-            trust_env=False,
+        r = adminclient.request(
+            "POST",
+            base,
+            f"/{command}",
+            trusted=admin_token.service_uids(token_file),
+            token=token,
+            timeout=5.0,
+            read_timeout=timeout,
         )
-    except httpx.HTTPError as exc:
+    except adminclient.NotTheService as exc:
+        print(f"kimi-serve {command}: {exc}", file=err)
+        return EX_NOT_SERVICE
+    except adminclient.Unreachable as exc:
         print(
-            f"kimi-serve {command}: cannot reach the daemon at {base} ({exc!r}); "
+            f"kimi-serve {command}: cannot reach the daemon at {base} ({exc}); "
             "is it running? (systemctl status kimi-serve)",
             file=err,
         )
         return EX_UNREACHABLE
-    if r.status_code == 401:
+    if r.status == 401:
         print(
             f"kimi-serve {command}: the daemon rejected the token in {token_file} "
             "(another daemon on this port, or a config with another admin.token_file?)",
@@ -63,10 +67,10 @@ def run_operation(
         doc = r.json()
     except ValueError:
         doc = {"error": r.text.strip()[:200]}
-    if r.status_code >= 300 or (isinstance(doc, dict) and doc.get("accepted") is False):
+    if r.status >= 300 or (isinstance(doc, dict) and doc.get("accepted") is False):
         error = doc.get("error") if isinstance(doc, dict) else None
-        print(f"kimi-serve {command}: HTTP {r.status_code}: {error or r.reason_phrase}", file=err)
+        print(f"kimi-serve {command}: HTTP {r.status}: {error or r.reason}", file=err)
         return EX_REFUSED
-    verb = "accepted" if r.status_code == 202 else "done"
+    verb = "accepted" if r.status == 202 else "done"
     print(f"{command} {verb}: {json.dumps(doc, default=str)}", file=out)
     return EX_DONE

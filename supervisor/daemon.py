@@ -139,6 +139,7 @@ class Daemon:
         self._exit_code: int | None = None
         self._internal_error = False
         self._beat = self.clock()
+        self._preparing = False
         self._loop_errors: dict[str, float] = {}
         # GPU fitness (gpus.manage): read before every launch, NVML's critical events watched.
         self.monitor: fitness_watch.Monitor | None = None
@@ -174,14 +175,13 @@ class Daemon:
             # Started first: preflight runs SGLang's parser (seconds, up to minutes on a cold
             # disk) and systemd's start timeout must be extended meanwhile.
             self._spawn(self._ticker())
-            code = await self._prepare()
-            if code is not None:
-                return code
-            self.monitor = self.observed.monitor = await fitness_watch.start(
-                self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
-            )
-            # Whatever a previous run left in the router's list is not decode-verified.
-            router.carry_out(self.router, RouterDeregister(0, "startup", wait_idle=False))
+            # The admin port next, before anything slow: bound after preflight, it was free for
+            # seconds to minutes at every start, for any local user to take (and with it the
+            # operator's token, sent by `kimi-serve status`); see docs/security.md.
+            try:
+                startup.check_state_dir(self.cfg, self.fx)
+            except startup.CannotStart as exc:
+                return self._fatal(str(exc), exc.code)
             on_drain, on_undrain = router.drain_ops(self)
             try:
                 served = await admin.open_endpoint(
@@ -198,10 +198,23 @@ class Daemon:
             except OSError as exc:
                 return self._fatal(
                     f"cannot serve the admin endpoint on {self.cfg.admin.listen}: "
-                    f"{exc.strerror or exc} (admin.listen in {self.cfg.path})",
+                    f"{exc.strerror or exc}{admin.holder(self.cfg.admin.host, self.cfg.admin.port)}"
+                    f" (admin.listen in {self.cfg.path})",
                     1,
                 )
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
+            self._preparing = True
+            try:
+                code = await self._prepare()
+            finally:
+                self._preparing = False
+            if code is not None:
+                return code
+            self.monitor = self.observed.monitor = await fitness_watch.start(
+                self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
+            )
+            # Whatever a previous run left in the router's list is not decode-verified.
+            router.carry_out(self.router, RouterDeregister(0, "startup", wait_idle=False))
             self.observed.profile(None, self.machine.ctx.profile)
             if self.group is not None:
                 self._spawn(self.group.run())
@@ -463,7 +476,9 @@ class Daemon:
     # ============================================================ admin backend
 
     def loop_healthy(self) -> bool:
-        return self.clock() - self._beat < LOOP_STALE_S
+        # Preflight awaits its checks on the loop, with no event to dispatch: the loop that
+        # answers /livez meanwhile is the proof it runs.
+        return self._preparing or self.clock() - self._beat < LOOP_STALE_S
 
     def is_ready(self) -> bool:
         if (child := self.launcher.child) is not None and child.dying:

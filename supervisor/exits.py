@@ -10,6 +10,9 @@ EXIT_HOST = EX_FAIL
 # `status`: the daemon answered and is not ready; the daemon could not be reached.
 EX_NOT_READY = 3
 EX_UNREACHABLE = 4
+# `status`, `restart`, `drain`, `undrain`: the admin address is held by a socket of another user
+# (not root, this user or the service user): nothing was sent to it and its answer is not trusted.
+EX_NOT_SERVICE = 5
 # restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
 # EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in
 # RestartPreventExitStatus= and which means "do not retry"; not 1, which an internal error gives.

@@ -428,7 +428,7 @@ def parse_progress(text: str) -> Progress | None:
                     running = _add(running, sample.value)
                 elif name == "sglang:num_queue_reqs":
                     queued = _add(queued, sample.value)
-    except (ValueError, TypeError, IndexError):
+    except Exception:  # a hostile text: whatever the parser raises, no counters
         return None
     if realtime is None and generation is None:
         return None

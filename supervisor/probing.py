@@ -6,13 +6,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from supervisor import intent
+from supervisor import intent, untrusted
 from supervisor.command import LaunchSpec
 from supervisor.config import Config
 from supervisor.machine import ProbeDone, ProbeKind
@@ -26,6 +25,9 @@ from supervisor.probe import (
 )
 
 INFO_PATHS = ("/server_info", "/get_server_info")
+# SGLang 0.5.23's /server_info is a few KiB (its arguments and internal states); more is not
+# that answer, and is not read into the daemon's memory.
+MAX_INFO_BYTES = 1 << 20
 
 
 async def decode(
@@ -66,14 +68,21 @@ async def decode(
 
 
 async def server_info(http: httpx.AsyncClient, cfg: Config) -> dict[str, Any] | None:
-    """SGLang's resolved arguments (docs/sglang.md, "Endpoints"), or None."""
+    """SGLang's resolved arguments (docs/sglang.md, "Endpoints"), or None: for no answer, an
+    answer over MAX_INFO_BYTES, or one that is not a JSON object, whatever it holds."""
     base = server_url(cfg.sglang.host, cfg.sglang.port)
+    headers = {"Accept-Encoding": "identity"}
     for path in INFO_PATHS:
-        with contextlib.suppress(httpx.HTTPError, ValueError, TimeoutError):
-            r = await http.get(base + path, timeout=10.0)
-            if r.status_code == 200 and isinstance(r.json(), dict):
-                info: dict[str, Any] = r.json()
-                return info
+        try:
+            async with asyncio.timeout(10.0):
+                async with http.stream("GET", base + path, headers=headers, timeout=10.0) as r:
+                    if r.status_code != 200:
+                        continue
+                    doc = untrusted.loads(await untrusted.read_capped(r, MAX_INFO_BYTES))
+        except Exception:  # any failure to fetch or decode is "no answer"
+            continue
+        if isinstance(doc, dict):
+            return doc
     return None
 
 
@@ -83,4 +92,7 @@ async def check_intent(
     info = await server_info(http, cfg)
     if info is None:
         return None, []
-    return info, intent.compare(spec, info, meta)
+    try:
+        return info, intent.compare(spec, info, meta)
+    except Exception:  # odd values SGLang sent: reported as unavailable
+        return None, []

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 import urllib.parse
@@ -34,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import admin
-from supervisor.config import Config, RouterConfig
+from supervisor import admin, admin_token, untrusted
+from supervisor.config import Config, RouterConfig, is_loopback_url
 from supervisor.machine import RouterDeregister, RouterRegister
 from supervisor.probe import server_url
 
@@ -150,15 +149,27 @@ def parse_load(text: str) -> tuple[float, float] | None:
                     running = (running or 0.0) + sample.value
                 elif sample.name == "sglang:num_queue_reqs":
                     queued += sample.value
-    except (ValueError, TypeError, IndexError):
+    except Exception:  # a hostile text: whatever the parser raises, no counters
         return None
     return None if running is None else (running, queued)
 
 
+def key_in_clear(cfg: RouterConfig) -> str | None:
+    """A warning when router.api_key_file's key would travel in clear HTTP to another host."""
+    if cfg.url is None or cfg.api_key_file is None:
+        return None
+    if urllib.parse.urlsplit(cfg.url).scheme != "http" or is_loopback_url(cfg.url):
+        return None
+    return (
+        f"router: router.api_key_file's key is sent in clear HTTP to {cfg.url}, another host: "
+        "anyone on the path can read it; use an https:// router.url or a mesh that encrypts"
+    )
+
+
 def _json(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        return untrusted.loads(body)
+    except ValueError:
         return None
 
 
@@ -332,6 +343,7 @@ class RouterLink:
         self.metrics = metrics
         self.sglang_url = (sglang_url or cfg.worker_url).rstrip("/")
         self.state = RouterState(cfg.url, cfg.worker_url)
+        self._warned_clear = False
         self.request_timeout = request_timeout
         self.confirm_timeout = confirm_timeout
         self.recheck_interval = recheck_interval
@@ -697,11 +709,16 @@ class RouterLink:
         if path is None:
             return {}
         try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            self._fail(Failure("register", "config", f"router.api_key_file {path}: {exc}"))
+            # Read each time (a rotation needs no restart), with the token file's checks.
+            token = admin_token.read_secret(path, "router.api_key_file")
+        except admin_token.TokenFileError as exc:
+            self._fail(Failure("register", "config", exc.message))
             return {}
+        if token and not self._warned_clear:
+            self._warned_clear = True
+            warning = key_in_clear(self.cfg)
+            if warning:
+                self.log.warning(warning)
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def _confirmed(self, wid: str) -> None:

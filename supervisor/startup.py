@@ -29,8 +29,9 @@ class CannotStart(Exception):
         self.code = code
 
 
-async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
-    """The NVML handle (None when GPUs are not managed). Raises CannotStart."""
+def check_state_dir(cfg: Config, fx: Effects) -> None:
+    """The state directory exists (made if absent) and is writable: the admin token goes
+    there, before preflight. Raises CannotStart."""
     try:
         fx.store.check_writable()
     except OSError as exc:
@@ -38,6 +39,11 @@ async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
             f"state directory {cfg.state_dir} is not writable: "
             f"{exc.strerror or exc} (state_dir in {cfg.path}, or StateDirectory=)"
         ) from None
+
+
+async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
+    """The NVML handle (None when GPUs are not managed). Raises CannotStart."""
+    check_state_dir(cfg, fx)
     nvml: Nvml | None = None
     if cfg.gpus.manage:
         try:

@@ -4,12 +4,12 @@ spirit of `systemctl status`."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any, TextIO
 
-import httpx
-
-from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
+from supervisor import adminclient
+from supervisor.exits import EX_NOT_READY, EX_NOT_SERVICE, EX_READY, EX_UNREACHABLE
 
 TAIL_SHOWN = 25
 
@@ -173,15 +173,24 @@ def _router_lines(router: Any, now: float) -> list[str]:
 
 
 def run_status_command(
-    base: str, as_json: bool, out: TextIO, err: TextIO, token: str | None = None
+    base: str,
+    as_json: bool,
+    out: TextIO,
+    err: TextIO,
+    token: str | None = None,
+    trusted: frozenset[int] | None = None,
 ) -> int:
     """GET /status; with `token` the whole document, without it the daemon leaves out what
-    SGLang printed (the log tail, messages quoting it)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = base.rstrip("/") + "/status"
+    SGLang printed (the log tail, messages quoting it). Only from a socket of root or the
+    `trusted` users (default: root and this user), on a loopback address."""
+    owners = trusted if trusted is not None else frozenset({0, os.geteuid()})
+
+    def get(with_token: str | None) -> adminclient.Answer:
+        return adminclient.request("GET", base, "/status", trusted=owners, token=with_token)
+
     try:
-        r = httpx.get(url, timeout=5.0, trust_env=False, headers=headers)
-        if r.status_code == 401 and headers:
+        r = get(token)
+        if r.status == 401 and token:
             # The daemon answered, so it is reachable: the state is still worth reporting.
             # Without the token /status is whole but for what SGLang printed.
             print(
@@ -190,12 +199,16 @@ def run_status_command(
                 "showing /status without it, SGLang's text left out",
                 file=err,
             )
-            r = httpx.get(url, timeout=5.0, trust_env=False)
-        r.raise_for_status()
+            r = get(None)
+        if r.status != 200:
+            raise ValueError(f"HTTP {r.status} {r.reason}")
         doc = r.json()
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
-    except (httpx.HTTPError, ValueError) as exc:
+    except adminclient.NotTheService as exc:
+        print(f"kimi-serve status: {exc}", file=err)
+        return EX_NOT_SERVICE
+    except (adminclient.Unreachable, ValueError) as exc:
         print(
             f"kimi-serve status: cannot reach the daemon at {base} ({exc}); "
             "is it running? (systemctl status kimi-serve)",

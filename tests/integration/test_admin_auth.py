@@ -84,6 +84,7 @@ def test_the_commands_with_and_without_the_token(tmp_path: Path) -> None:
         # A token file of another daemon (same port, wrong file): 77, nothing done.
         other = tmp_path / "other.token"
         other.write_text("x" * 43 + "\n")
+        other.chmod(0o600)  # one others could read is refused before it is sent
         done = kimi_serve("restart", "--config", config, "--token-file", str(other))
         assert done.returncode == 77 and "rejected the token" in done.stderr, done
         denied = d.get("/metrics").text

@@ -19,6 +19,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from supervisor import probing
 from supervisor.config import ProbeConfig
 from supervisor.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
 from tests.reliability.rig import soak_factor, trial
@@ -514,3 +516,57 @@ def test_sequences_of_broken_answers_then_a_good_one(noise: list[str]) -> None:
     with trial("malformed answers", "hypothesis: broken answers in a row, then a good one") as t:
         run(go())
         t.recovered = True
+
+
+# --------------------------------------------------------------------------- /server_info
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [
+        send(response(b"[" * 16000)),  # RecursionError inside json.loads
+        send(response(b'{"a":' * 3000)),
+        send(response(b"\xff\xfe not utf-8")),
+        send(response(b"9" * 5000)),  # over the integer digit limit
+        send(response(b"[1, 2]")),  # JSON, not an object
+        send(response(b"{" + b" " * (probing.MAX_INFO_BYTES + 10) + b"}")),  # over the cap
+        endless(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"1000\r\n" + b" " * 4096 + b"\r\n",
+        ),
+        send(response(gzip.compress(b'{"tp_size": 2}'), extra=b"Content-Encoding: gzip\r\n")),
+        reset_after(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"),
+    ],
+    ids=[
+        "brackets",
+        "objects",
+        "not-utf8",
+        "huge-int",
+        "list",
+        "over-cap",
+        "endless",
+        "gzip",
+        "reset",
+    ],
+)
+def test_server_info_treats_every_bad_answer_as_none(behaviour: Behaviour) -> None:
+    """The intent check's fetch: every undecodable, oversized or encoded answer is "no
+    /server_info", never an exception (which would end the daemon's task and stop SGLang)."""
+
+    async def go() -> Any:
+        async with Server(behaviour) as server:
+            cfg: Any = SimpleNamespace(sglang=SimpleNamespace(host="127.0.0.1", port=server.port))
+            async with httpx.AsyncClient(trust_env=False) as client:
+                return await probing.server_info(client, cfg)
+
+    assert run(go()) is None
+
+
+def test_server_info_reads_a_good_answer() -> None:
+    async def go() -> Any:
+        async with Server(send(response(b'{"tp_size": 2}'))) as server:
+            cfg: Any = SimpleNamespace(sglang=SimpleNamespace(host="127.0.0.1", port=server.port))
+            async with httpx.AsyncClient(trust_env=False) as client:
+                return await probing.server_info(client, cfg)
+
+    assert run(go()) == {"tp_size": 2}

@@ -4,6 +4,7 @@ a small backend standing in for the daemon, the real token file on disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import stat
@@ -428,6 +429,14 @@ async def test_an_oversized_body_is_413_and_nothing_is_done(ep: Endpoint) -> Non
     assert (await ep.client.get("/livez")).status_code == 200
 
 
+async def cut(reader: asyncio.StreamReader, within: float = 1.0) -> bool:
+    """Whether the server closed this connection (an abort may arrive as a reset)."""
+    try:
+        return await asyncio.wait_for(reader.read(), within) == b""
+    except ConnectionResetError:
+        return True
+
+
 async def raw_request(port: int, data: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
@@ -487,12 +496,16 @@ async def test_slow_clients_are_cut_off_and_others_are_served(tmp_path: Path) ->
         await served.stop()
 
 
-async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path) -> None:
-    limits = admin.Limits(max_connections=8)
+async def test_at_the_connection_limit_idle_connections_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin, "FRESH_S", 0.0)  # the hoard counts as idle at once
+    limits = admin.Limits(max_connections=8, reserve_connections=0)
     _, served = await open_endpoint(tmp_path, limits=limits)
     try:
         hoard = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(8)]
-        await asyncio.sleep(0.6)  # idle longer than the gate's eviction threshold
+        while served.gate.open < 8:
+            await asyncio.sleep(0.01)
         answer = await raw_request(
             served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
@@ -500,16 +513,112 @@ async def test_at_the_connection_limit_idle_connections_make_room(tmp_path: Path
         assert served.gate.evicted == 1 and served.gate.refused == 0
         # The oldest hoarded connection is the one that was closed.
         reader, _ = hoard[0]
-        assert await asyncio.wait_for(reader.read(), 1) == b""
+        assert await cut(reader)
         for _, writer in hoard:
             writer.close()
     finally:
         await served.stop()
 
 
-async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_get_503(
+async def test_at_the_connection_limit_fresh_connections_are_kept_for_a_while(
     tmp_path: Path,
 ) -> None:
+    """Connections that have sent nothing yet are never the ones cut at once (a probe may be
+    among them, its request not read yet): the newcomer is let in over the limit, up to
+    twice it, and the sweep trims back once they are no longer fresh."""
+    limits = admin.Limits(max_connections=2, reserve_connections=0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    try:
+        conns = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(4)]
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        assert (served.gate.evicted, served.gate.refused) == (0, 0)
+        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503"), answer  # twice the limit: refused
+        # Once no longer fresh, the sweep closes the oldest until the limit holds again.
+        assert await cut(conns[0][0], 5) and await cut(conns[1][0], 5)
+        assert served.gate.open == 2 and served.gate.evicted == 2
+        for _, w in conns:
+            w.close()
+    finally:
+        await served.stop()
+
+
+async def test_at_the_connection_limit_the_longest_waiting_trickler_makes_room(
+    tmp_path: Path,
+) -> None:
+    """Slow clients that never pause long enough to look idle: a byte every 0.1 s each."""
+    limits = admin.Limits(max_connections=4, reserve_connections=0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    stop = asyncio.Event()
+    conns = []
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\n")
+        while not stop.is_set():
+            writer.write(b"X")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            await asyncio.sleep(0.1)
+
+    try:
+        for _ in range(4):
+            conns.append(await asyncio.open_connection("127.0.0.1", served.port))
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        tricklers = [asyncio.create_task(trickle(w)) for _, w in conns]
+        livez = b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        answer = await raw_request(served.port, livez)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert (served.gate.evicted, served.gate.refused) == (1, 0)
+        assert await cut(conns[0][0])
+        # A new trickler takes the free slot; the next newcomer again ends the oldest one.
+        conns.append(await asyncio.open_connection("127.0.0.1", served.port))
+        tricklers.append(asyncio.create_task(trickle(conns[-1][1])))
+        while served.gate.open < 4:
+            await asyncio.sleep(0.01)
+        answer = await raw_request(served.port, livez)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert (served.gate.evicted, served.gate.refused) == (2, 0)
+        assert await cut(conns[1][0])
+        assert not any(r.at_eof() for r, _ in conns[2:])
+        stop.set()
+        await asyncio.gather(*tricklers)
+    finally:
+        for _, w in conns:
+            w.close()
+        await served.stop()
+
+
+async def test_a_trickled_head_is_cut_at_the_deadline_without_pressure(tmp_path: Path) -> None:
+    """The gate's own deadline, whatever aiohttp's timers do: request_timeout_s for a head."""
+    limits = admin.Limits(request_timeout_s=1.0)
+    _, served = await open_endpoint(tmp_path, limits=limits)
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        started = loop.time()
+        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(100):
+            if reader.at_eof():
+                break
+            writer.write(b"X")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.1)
+        cut_after = loop.time() - started
+        assert reader.at_eof() and 0.9 <= cut_after < 3.0, cut_after
+        assert served.gate.open == 0
+        writer.close()
+    finally:
+        await served.stop()
+
+
+async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_get_503(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admin, "FRESH_S", 0.0)  # the reserve's idle client counts as idle
     release = asyncio.Event()
     started: list[int] = []
 
@@ -518,7 +627,7 @@ async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_g
         await release.wait()
         return {"drained": True}
 
-    limits = admin.Limits(max_connections=4)
+    limits = admin.Limits(max_connections=4, reserve_connections=1)
     backend, served = await open_endpoint(tmp_path, on_drain=drain, limits=limits)
     token = Path(backend.cfg.admin.token_file).read_text().strip()
     request = (
@@ -532,10 +641,23 @@ async def test_at_the_connection_limit_busy_connections_are_kept_and_newcomers_g
         while len(started) < 4 and loop.time() < deadline:
             await asyncio.sleep(0.01)
         assert len(started) == 4
-        await asyncio.sleep(0.6)  # long-running requests are never "idle"
-        answer = await raw_request(served.port, b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        # The reserve: one more loopback client, kept while it waits for its answer.
+        probe_reader, probe_writer = await asyncio.open_connection("127.0.0.1", served.port)
+        while served.gate.open < 5:
+            await asyncio.sleep(0.01)
+        # Requests in progress are never taken for a slow client; nor is the reserve's.
+        livez = b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        answer = await raw_request(served.port, livez)
+        assert (served.gate.refused, served.gate.evicted) == (0, 1)  # the idle reserve one
+        assert await cut(probe_reader)
+        probe_writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        drains.append(asyncio.create_task(raw_request(served.port, request)))
+        while len(started) < 5:
+            await asyncio.sleep(0.01)
+        answer = await raw_request(served.port, livez)
         assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
-        assert (served.gate.refused, served.gate.evicted) == (1, 0)
+        assert (served.gate.refused, served.gate.evicted) == (1, 1)
         release.set()
         for answer in await asyncio.gather(*drains):
             assert answer.startswith(b"HTTP/1.1 200"), answer

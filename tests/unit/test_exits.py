@@ -39,4 +39,5 @@ def test_no_module_but_exits_defines_an_exit_status() -> None:
 
 def test_the_contracts_exit_statuses() -> None:
     assert (exits.EX_OK, exits.EX_FAIL, exits.EX_NOT_READY, exits.EX_UNREACHABLE) == (0, 1, 3, 4)
+    assert exits.EX_NOT_SERVICE == 5
     assert (exits.EX_RESTART_BY_ORCHESTRATOR, exits.EX_NOPERM, exits.EX_CONFIG) == (75, 77, 78)
