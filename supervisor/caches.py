@@ -135,29 +135,30 @@ def _existing(path: str) -> str:
 
 
 def problems(dirs: Mapping[str, str], mounts: list[Mount]) -> list[str]:
-    """One line per directory that is missing, not writable or not persistent."""
-    out = []
+    """One line per kind of problem (missing and not creatable, not writable, not persistent),
+    naming the caches it concerns; nothing when every directory is fine."""
+    found: dict[str, list[str]] = {}
     for name, path in dirs.items():
-        where = f"cache {name} ({path})"
-        real = os.path.realpath(path)
-        if not os.path.isabs(path):
-            out.append(f"{where}: not an absolute path; it would follow SGLang's working directory")
-            continue
-        if not os.path.isdir(real):
-            parent = _existing(real)
-            if os.path.exists(real):
-                out.append(f"{where}: exists but is not a directory")
-                continue
-            if not os.access(parent, os.W_OK | os.X_OK):
-                out.append(f"{where}: missing, and {parent} is not writable: it cannot be created")
-                continue
-        elif not os.access(real, os.W_OK | os.X_OK):
-            out.append(f"{where}: not writable by uid {os.geteuid()}: SGLang compiles every time")
-            continue
-        why = not_persistent(real if os.path.isdir(real) else _existing(real), mounts)
+        why = _problem(path, mounts)
         if why is not None:
-            out.append(f"{where}: not persistent: {why}")
-    return out
+            found.setdefault(why, []).append(f"{name} ({path})")
+    return [f"cache {', '.join(names)}: {why}" for why, names in found.items()]
+
+
+def _problem(path: str, mounts: list[Mount]) -> str | None:
+    if not os.path.isabs(path):
+        return "not an absolute path; it would follow SGLang's working directory"
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isdir(real):
+        return "exists but is not a directory"
+    if not os.path.isdir(real):
+        parent = _existing(real)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"missing, and {parent} is not writable by uid {os.geteuid()}: not creatable"
+    elif not os.access(real, os.W_OK | os.X_OK):
+        return f"not writable by uid {os.geteuid()}: SGLang would compile on every start"
+    why = not_persistent(real if os.path.isdir(real) else _existing(real), mounts)
+    return None if why is None else f"not persistent: {why}"
 
 
 def read_mounts() -> list[Mount]:

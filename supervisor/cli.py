@@ -40,7 +40,7 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import command
+    from supervisor import caches, command
 
     cfg = _load(args, err)
     if cfg is None:
@@ -49,6 +49,8 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"warning: {warning}", file=err)
     for warning in config_mod.warnings(cfg):
         print(f"{cfg.path}: warning: {warning}", file=err)
+    for problem in caches.cfg_problems(cfg):
+        print(f"{cfg.path}: warning: warm.cache_dir: {problem}", file=err)
     print("ok", file=out)
     return EX_OK
 

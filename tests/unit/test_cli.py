@@ -161,9 +161,7 @@ def test_print_command_shows_every_production_flag() -> None:
     # Every JIT cache under warm.cache_dir (supervisor/caches.py), one line each.
     state = yaml.safe_load(PRODUCTION.read_text()).get("state_dir") or "/var/lib/kimi-serve"
     set_here = sorted(line for line in env if line not in own)
-    assert set_here == sorted(
-        f"env: {c.env}={state}/cache/{c.subdir}" for c in caches.CACHES
-    )
+    assert set_here == sorted(f"env: {c.env}={state}/cache/{c.subdir}" for c in caches.CACHES)
 
 
 def test_print_command_fallback_has_no_speculative_flags() -> None:
