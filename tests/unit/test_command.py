@@ -195,8 +195,12 @@ def test_env_merging() -> None:
     assert own(spec.env) == {"KEEP": "1", "CHANGE": "new", "ADD": "a b"}
     assert command.merged_env(cfg, "p") == own(spec.env)
     assert spec.env_lines() == sorted(
-        [*(f"{k}={v}" for k, v in caches.env(cfg.warm.cache_dir).items()), "ADD='a b'"]
-        + ["CHANGE=new", "KEEP=1"]
+        [
+            *(f"{k}={v}" for k, v in caches.env(cfg.warm.cache_dir).items()),
+            "ADD='a b'",
+            "CHANGE=new",
+            "KEEP=1",
+        ]
     )
 
 
