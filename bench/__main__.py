@@ -5,6 +5,7 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench --quick         # tiny sizes, well under 30 s
     .venv/bin/python -m bench --only kimi-serve,health-poller --json out.json
     .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
+    .venv/bin/python -m bench --downtime 2     # instead: restart downtime, real SGLang (root)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -30,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from bench import real_sglang, report, scenarios
+from bench import downtime, real_sglang, report, scenarios
 from bench import supervisord as sv_mod
 from bench.common import RUN_ID, Procs, sweep_marked
 from bench.scenarios import APPROACHES, KIMI, POLLER, SUPERVISORD, SYSTEMD, Ctx, Settings
@@ -252,7 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
         "needs tools/sglang-env, about a minute each)",
     )
+    p.add_argument(
+        "--downtime",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead: the restart-downtime rows on real SGLang with a larger model "
+        "(bench.downtime; root, drops the page cache; several minutes per round)",
+    )
     a = p.parse_args(argv)
+    if a.downtime > 0:
+        json_out = ["--json", str(a.json)] if a.json else []
+        return downtime.main(["--rounds", str(a.downtime), *json_out])
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
     unknown = set(only) - set(APPROACHES)
     if unknown:

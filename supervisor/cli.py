@@ -38,7 +38,7 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import command
+    from supervisor import caches, command
 
     cfg = _load(args, err)
     if cfg is None:
@@ -50,6 +50,8 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     clear = router.key_in_clear(cfg.router)
     for warning in [*config_mod.warnings(cfg), *([clear] if clear else [])]:
         print(f"{cfg.path}: warning: {warning}", file=err)
+    for problem in caches.cfg_problems(cfg):
+        print(f"{cfg.path}: warning: warm.cache_dir: {problem}", file=err)
     print("ok", file=out)
     return EX_OK
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import redact
+from supervisor import caches, redact
 from supervisor.config import PRIMARY, ArgValue, Config, tp_size
 
 
@@ -99,7 +99,8 @@ def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
     return LaunchSpec(
         profile=profile,
         argv=tuple(argv),
-        env=merged_env(cfg, profile),
+        # Every JIT cache under warm.cache_dir, unless sglang.env names its own (caches.py).
+        env={**caches.env(cfg.warm.cache_dir), **merged_env(cfg, profile)},
         args={k: v for k, v in args.items() if v is not None and v is not False},
     )
 

@@ -226,6 +226,17 @@ class GroupConfig:
 
 
 @dataclass(frozen=True)
+class WarmConfig:
+    """What makes a relaunch cheaper: the compile caches' root and the page-cache prewarm
+    (supervisor/caches.py, supervisor/prewarm.py; docs/benchmarks.md has the measurements)."""
+
+    cache_dir: str  # default $CACHE_DIRECTORY (systemd's CacheDirectory=), else <state_dir>/cache
+    prewarm: str = "off"  # "auto" | "off"
+    prewarm_readers: int = 4
+    prewarm_headroom: int | None = None  # bytes kept free; None: 10% of MemTotal, at least 2 GiB
+
+
+@dataclass(frozen=True)
 class Config:
     path: str
     sglang: SGLangConfig
@@ -246,6 +257,7 @@ class Config:
     )
     router: RouterConfig = RouterConfig()
     group: GroupConfig = GroupConfig()
+    warm: WarmConfig = WarmConfig("/var/cache/kimi-serve")
     # The line of every key in the file ("sglang.args.tp-size" -> 5), for errors found after
     # parsing (SGLang's own parser rejecting a flag). Not part of what a reload compares.
     key_lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
@@ -835,6 +847,28 @@ def _logging(r: _Reader, raw: object) -> LoggingConfig:
     )
 
 
+def default_cache_dir(state_dir: str) -> str:
+    # systemd's CacheDirectory= exports CACHE_DIRECTORY (possibly several, colon-separated).
+    env = os.environ.get("CACHE_DIRECTORY")
+    return env.split(":")[0] if env else os.path.join(state_dir, "cache")
+
+
+def _prewarm(value: object) -> str:
+    # YAML 1.1 reads a bare `off` as false.
+    return "off" if value is False else _choice("auto", "off")(value)
+
+
+def _warm(r: _Reader, raw: object, state_dir: str) -> WarmConfig:
+    p = "warm"
+    s = r.section(raw, p, ("cache_dir", "prewarm", "prewarm_readers", "prewarm_headroom"))
+    return WarmConfig(
+        cache_dir=r.get(s, p, "cache_dir", _opt_string, None) or default_cache_dir(state_dir),
+        prewarm=r.get(s, p, "prewarm", _prewarm, "off"),
+        prewarm_readers=r.get(s, p, "prewarm_readers", _int_in(1, 64), 4),
+        prewarm_headroom=r.get(s, p, "prewarm_headroom", parse_size, None),
+    )
+
+
 def _incidents(r: _Reader, raw: object, state_dir: str) -> IncidentsConfig:
     p = "incidents"
     s = r.section(raw, p, ("dir", "keep", "dump_timeout", "max_bytes", "min_free_bytes"))
@@ -1035,6 +1069,7 @@ TOP_KEYS = (
     "incidents",
     "router",
     "group",
+    "warm",
 )
 
 
@@ -1204,6 +1239,7 @@ def parse(text: str, file: str) -> Config:
         logging=_logging(r, top.get("logging")),
         incidents=_incidents(r, top.get("incidents"), state_dir),
         router=_router(r, top.get("router"), sglang),
+        warm=_warm(r, top.get("warm"), state_dir),
         key_lines=marks,
     )
     cfg = replace(cfg, group=_group(r, top.get("group"), cfg))

@@ -30,6 +30,7 @@ from supervisor import (
     router,
     stacks,
     startup,
+    warm,
 )
 from supervisor.config import Config, ConfigError
 from supervisor.effects import Effects
@@ -133,6 +134,12 @@ class Daemon:
             http=fx.http,
         )
         self.launcher.recorder = self.recorder
+        # Caches made and measured, weights prewarmed, before each launch (docs/benchmarks.md).
+        self.warm = warm.Warm(
+            cfg, fx.clock, self._spawn, lambda: self.notifier.status(self.status_line())
+        )
+        self.recorder.load_extras = self.warm.current
+        self.observed.note = self.warm.note
         fx.owner.bind(self.pump.lines, self.launcher.exited)
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -324,6 +331,7 @@ class Daemon:
     def _do(self, action: Action) -> None:
         match action:
             case Transitioned():
+                self.warm.transitioned(action, self.machine.ctx.profile)
                 self.observed.transitioned(action)
                 if action.new is State.STOPPING:
                     self.notifier.stopping(self.status_line())
@@ -444,7 +452,7 @@ class Daemon:
         )
         # A link a reload removed still deregisters before the stop that may follow.
         self.launcher.router = self.router or self.launcher.router
-        self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = new
+        self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = self.warm.cfg = new
         self.pump.configure(new)
         self.recorder.reconfigure(new)
         if self.group is not None:

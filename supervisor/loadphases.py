@@ -42,6 +42,7 @@ _GRAPH = re.compile(r"Capture .*?graph (begin|end)\b", re.IGNORECASE)
 _UVICORN = "Uvicorn running on"
 _READY = "The server is fired up and ready to roll!"
 _REPORTED = re.compile(r"(\w+)=(\d+(?:\.\d+)?)")
+_GRAPH_GROUP = re.compile(r"cuda_graph=\{([^}]*)\}")
 
 
 @dataclass
@@ -66,7 +67,12 @@ class LoadTimeline:
             return
         if "Engine startup timings" in line:
             # SGLang's own summary (entrypoints/engine.py:1118), kept beside ours.
-            self.reported = {k: float(v) for k, v in _REPORTED.findall(line)}
+            # `cuda_graph={phase=..., ...}`: keyed `cuda_graph.<phase>`, as from /server_info.
+            graph = _GRAPH_GROUP.search(line)
+            inner = graph.group(1) if graph else ""
+            rest = line.replace(graph.group(0), "") if graph else line
+            self.reported = {k: float(v) for k, v in _REPORTED.findall(rest)}
+            self.reported.update({f"cuda_graph.{k}": float(v) for k, v in _REPORTED.findall(inner)})
             return
         if _WEIGHTS_BEGIN in line:
             self._first("weights_begin", t)
@@ -87,6 +93,24 @@ class LoadTimeline:
             self._first("port_open", t)
         elif _READY in line:
             self._first("ready", t)
+
+    def server_info(self, doc: dict[str, Any]) -> bool:
+        """`/server_info`'s `startup_time` (http_server.py:886 in 0.5.23: the same numbers as
+        the log line, `cuda_graph` a mapping): kept where the log line gave none. True when
+        it added something."""
+        st = doc.get("startup_time")
+        if not isinstance(st, dict) or self.reported:
+            return False
+        out: dict[str, float] = {}
+        for key, value in st.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    if isinstance(v, int | float) and not isinstance(v, bool):
+                        out[f"{key}.{sub}"] = float(v)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                out[str(key)] = float(value)
+        self.reported = out
+        return bool(out)
 
     def port_open(self, t: float) -> None:
         """SGLang bound its HTTP port: its warm-up request follows (http_server.py)."""

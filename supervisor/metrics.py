@@ -32,6 +32,9 @@ ADMIN_OTHER_ENDPOINT = "other"
 # Label `reason` of kimi_serve_quality_degraded (contract: "Serving quality").
 QUALITY_DEGRADED_REASONS = ("canary_mismatch", "spec_collapse", "slow_decode", "no_cuda_graph")
 
+# From seconds (a crash on a warm, small model) to the ~10-minute cold load of a large one and
+# the ~30-minute cold DeepGEMM compile (sglang#18823).
+DOWNTIME_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0)
 PROBE_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
@@ -127,6 +130,13 @@ class Metrics:
         self.last_load = Gauge(
             "kimi_serve_last_load_duration_seconds",
             "Seconds from launch to the first successful decode probe, for the last launch.",
+            registry=r,
+        )
+        self.restart_downtime = Histogram(
+            "kimi_serve_restart_downtime_seconds",
+            "From leaving ready to ready again, per restart nobody asked for (a crash loop's "
+            "restarts before ready again are one).",
+            buckets=DOWNTIME_BUCKETS,
             registry=r,
         )
         self.child_start_time = Gauge(
@@ -227,12 +237,6 @@ class Metrics:
         )
         for reason in QUALITY_DEGRADED_REASONS:
             self.quality_degraded.labels(reason)
-        self.restart_downtime = Histogram(
-            "kimi_serve_restart_downtime_seconds",
-            "From leaving ready to ready again, per restart nobody asked for.",
-            buckets=(1, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600),
-            registry=r,
-        )
         self._gpu_source = gpu_snapshot
         # kimi_serve_gpu_healthy: the fitness verdict of each managed GPU, read at scrape time
         # from the GPU snapshot (nvml.gpu_status()'s `health`); a verdict set here (the check

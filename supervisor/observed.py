@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import __version__, gpu, intent, log, nvml
 from supervisor.config import Config
+from supervisor.downtime import Downtime
 from supervisor.gpu import CleanReport, SweepReport
 from supervisor.machine import (
     Context,
@@ -77,6 +78,9 @@ class Observed:
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None
+        self.downtime = Downtime()
+        # A line STATUS= ends with while it says something (the prewarm's progress: warm.py).
+        self.note: Callable[[], str] = str
         metrics.set_gpu_source(self.gpu_status)
 
     def refused_reload(self, why: str | None) -> None:
@@ -93,6 +97,11 @@ class Observed:
         launched_at = self.ctx.launched_at
         if t.new is State.READY and t.old is State.WARMING and launched_at is not None:
             self.metrics.last_load.set(self.clock() - launched_at)
+        down = self.downtime.transitioned(t, self.clock())
+        if down is not None:
+            self.metrics.restart_downtime.observe(down)
+            if self.last_restart is not None:
+                self.last_restart["downtime_s"] = round(down, 3)
         self._remember(t, now_unix)
         level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
         getattr(self.log, level)(
@@ -140,6 +149,7 @@ class Observed:
             "detail": action.detail,
             "profile": self.ctx.profile,
             "log_tail": tail,
+            "downtime_s": None,  # set once ready again (unrequested restarts only)
         }
         self.log.error(
             "sglang restart",
@@ -282,6 +292,8 @@ class Observed:
                 )
         if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
             parts.append(f"- {self.detail}")
+        if note := self.note():
+            parts.append(f"- {note}")
         return " ".join(parts)[:400]
 
     def gpu_status(self) -> list[dict[str, Any]]:

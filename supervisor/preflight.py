@@ -35,6 +35,7 @@ from typing import Any, Literal, TextIO
 
 import psutil
 
+from supervisor import caches
 from supervisor.command import LaunchSpec, build
 from supervisor.config import PRIMARY, ArgValue, Config
 from supervisor.exits import EX_CONFIG, EXIT_HOST
@@ -544,7 +545,22 @@ def run_checks(
 
     checks.extend(host_checks(cfg, specs, gpu_count))
     checks.append(check_port(sg.host, sg.port))
+    checks.append(check_caches(cfg))
     return checks
+
+
+def check_caches(cfg: Config) -> Check:
+    """SGLang's compile caches (supervisor/caches.py): a warning, never a failure; a lost
+    cache costs compile time on the next start, not correctness."""
+    found = caches.cfg_problems(cfg)
+    if not found:
+        return Check(
+            "caches", True, HOST, f"{cfg.warm.cache_dir}: present or creatable, persistent"
+        )
+    hint = "\n".join(
+        [*found[1:], "set warm.cache_dir, or the sglang.env entry named (docs/systemd.md)"]
+    )
+    return Check("caches", True, HOST, found[0], hint, warning=True)
 
 
 def host_checks(

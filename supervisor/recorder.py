@@ -51,6 +51,11 @@ class _Launch:
     capture: stacks.Capture | None = None
     no_stacks_reason: str | None = None
     stop_started_unix: float | None = None
+    # `caches` and `prewarm` of /status.last_load: the round before this launch (warm.py).
+    extras: Callable[[], dict[str, Any]] | None = None
+
+    def load_document(self) -> dict[str, Any]:
+        return {**self.timeline.document(), **(self.extras() if self.extras else {})}
 
 
 def _crash_dump_folder(cfg: Config, profile: str) -> str | None:
@@ -74,6 +79,8 @@ class IncidentRecorder:
         self._cur: _Launch | None = None
         self.last_load: dict[str, Any] | None = None
         self.last_incident: Path | None = None
+        # The report of what was prepared for the launch being made (Warm.current).
+        self.load_extras: Callable[[], Callable[[], dict[str, Any]] | None] = lambda: None
 
     def reconfigure(self, cfg: Config) -> None:
         """After a reload: the next incidents follow the new incidents section."""
@@ -91,6 +98,7 @@ class IncidentRecorder:
             crash_dump_folder=_crash_dump_folder(self.cfg, profile),
             launched_at_unix=self._wall(),
             timeline=LoadTimeline(mono_now),
+            extras=self.load_extras(),
         )
 
     def line(self, line: str, mono_now: float) -> None:
@@ -105,6 +113,10 @@ class IncidentRecorder:
     def server_info(self, doc: dict[str, Any]) -> None:
         if self._cur is not None:
             self._cur.server_info = doc
+            # A release that reports its startup timings there (0.5.23: `startup_time`) fills
+            # in what its log line did not give.
+            if self._cur.timeline.server_info(doc) and self._cur.ready_at_unix is not None:
+                self.last_load = self._cur.load_document()
 
     def probe_ok(self, mono_now: float, latency_s: float | None = None) -> dict[str, float]:
         """The load is complete: returns its phases (for kimi_serve_load_phase_seconds).
@@ -115,7 +127,7 @@ class IncidentRecorder:
         if self._cur.ready_at_unix is None:
             self._cur.ready_at_unix = self._wall()
             self._cur.timeline.probe_ok(mono_now, latency_s)
-            self.last_load = self._cur.timeline.document()
+            self.last_load = self._cur.load_document()
         return self._cur.timeline.phases()
 
     # ------------------------------------------------------------ the restart
@@ -185,7 +197,7 @@ class IncidentRecorder:
             self.last_incident = written.path
         if self.last_load is None or not self.last_load.get("complete"):
             # A load that never finished (load_timeout): where it stopped is the news.
-            self.last_load = cur.timeline.document()
+            self.last_load = cur.load_document()
         return written
 
 

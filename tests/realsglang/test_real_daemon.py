@@ -349,6 +349,12 @@ def test_sigkill_of_a_process_of_the_launch(served: Real, title: str) -> None:
         assert last["signal"] in (9, None) and restart["signal"] in (9, None)
     assert not alive(old), f"processes of the old launch alive: {alive(old)}"
     assert status["state"] == "ready" and status["child"]["pid"] not in old
+    # The downtime of this real restart: from leaving ready to ready again, at least the
+    # relaunch's own load, and in the histogram.
+    assert last["downtime_s"] >= status["last_load"]["total_s"] > 0, last["downtime_s"]
+    report(f"{title} SIGKILL: restart downtime_s", last["downtime_s"])
+    assert "kimi_serve_restart_downtime_seconds_count" in served.d.get("/metrics").text
+    assert set(status["last_load"]["caches"]) >= {"deepgemm", "inductor", "triton", "cuda"}
     DEATHS[title] = last
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import __version__, cli
+from supervisor import __version__, caches, cli
 from testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +156,12 @@ def test_print_command_shows_every_production_flag() -> None:
     assert argv[:3] == ["/opt/sglang/venv/bin/python", "-m", "sglang.launch_server"]
     for run in PRODUCTION_FLAGS:
         assert contains_run(argv, run), f"{run} not in {first}"
-    assert env == ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1", "env: SPT_NOENV=1"]
+    own = ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1", "env: SPT_NOENV=1"]
+    assert [line for line in env if line in own] == own
+    # Every JIT cache under warm.cache_dir (supervisor/caches.py), one line each.
+    state = yaml.safe_load(PRODUCTION.read_text()).get("state_dir") or "/var/lib/kimi-serve"
+    set_here = sorted(line for line in env if line not in own)
+    assert set_here == sorted(f"env: {c.env}={state}/cache/{c.subdir}" for c in caches.CACHES)
 
 
 def test_print_command_fallback_has_no_speculative_flags() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor import command, config
+from supervisor import caches, command, config
 from supervisor.command import build, flag_tokens
 from supervisor.config import Config
 
@@ -44,6 +45,11 @@ def make(
     if profiles is not None:
         doc["profiles"] = profiles
     return config.parse(yaml.safe_dump(doc, sort_keys=False), "test.yaml")
+
+
+def own(env: Mapping[str, str]) -> dict[str, str]:
+    """A launch's environment without the compile caches' variables (caches.py)."""
+    return {k: v for k, v in env.items() if k not in {c.env for c in caches.CACHES}}
 
 
 def flags(argv: tuple[str, ...]) -> list[str]:
@@ -86,7 +92,8 @@ def test_flag_tokens(value: Any, tokens: list[str]) -> None:
 
 
 def test_argv_starts_with_interpreter_module_and_the_reserved_flags() -> None:
-    spec = build(make(host="0.0.0.0", port=31000, module="sglang.launch_server"))
+    spec_cfg = make(host="0.0.0.0", port=31000, module="sglang.launch_server")
+    spec = build(spec_cfg)
     assert spec.argv == (
         "/venv/bin/python",
         "-m",
@@ -99,8 +106,28 @@ def test_argv_starts_with_interpreter_module_and_the_reserved_flags() -> None:
         "31000",
     )
     assert spec.profile == "primary"
-    assert spec.env == {}
+    # Only the compile caches, under warm.cache_dir (caches.py).
+    assert spec.env == caches.env(spec_cfg.warm.cache_dir)
     assert spec.args == {}
+
+
+def test_cache_variables_follow_warm_cache_dir_and_lose_to_sglang_env() -> None:
+    doc = {
+        "sglang": {
+            "python": "/venv/bin/python",
+            "model_path": "/models/kimi",
+            "env": {"TRITON_CACHE_DIR": "/fast/triton"},
+        },
+        "warm": {"cache_dir": "/var/cache/kimi-serve"},
+    }
+    env = build(config.parse(yaml.safe_dump(doc), "test.yaml")).env
+    assert env["TRITON_CACHE_DIR"] == "/fast/triton"
+    assert env["SGLANG_DG_CACHE_DIR"] == "/var/cache/kimi-serve/deep_gemm"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/kimi-serve/inductor"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/kimi-serve/flashinfer"
+    assert env["CUDA_CACHE_PATH"] == "/var/cache/kimi-serve/nv"
+    assert env["TORCH_EXTENSIONS_DIR"] == "/var/cache/kimi-serve/torch_extensions"
+    assert caches.paths(env)["triton"] == "/fast/triton"
 
 
 def test_flag_forms_in_config_order() -> None:
@@ -163,11 +190,18 @@ def test_env_merging() -> None:
         env={"KEEP": "1", "DROP": "2", "CHANGE": "old"},
         profiles={"p": {"env": {"DROP": None, "CHANGE": "new", "ADD": "a b"}}},
     )
-    assert build(cfg).env == {"KEEP": "1", "DROP": "2", "CHANGE": "old"}
+    assert own(build(cfg).env) == {"KEEP": "1", "DROP": "2", "CHANGE": "old"}
     spec = build(cfg, "p")
-    assert spec.env == {"KEEP": "1", "CHANGE": "new", "ADD": "a b"}
-    assert command.merged_env(cfg, "p") == spec.env
-    assert spec.env_lines() == ["ADD='a b'", "CHANGE=new", "KEEP=1"]
+    assert own(spec.env) == {"KEEP": "1", "CHANGE": "new", "ADD": "a b"}
+    assert command.merged_env(cfg, "p") == own(spec.env)
+    assert spec.env_lines() == sorted(
+        [
+            *(f"{k}={v}" for k, v in caches.env(cfg.warm.cache_dir).items()),
+            "ADD='a b'",
+            "CHANGE=new",
+            "KEEP=1",
+        ]
+    )
 
 
 def test_unknown_profile_raises_key_error_naming_the_defined_ones() -> None:
@@ -232,7 +266,7 @@ def test_production_primary_and_fallback() -> None:
     spec_values = {str(primary.args[n]) for n in SPECULATIVE}
     assert [t for t in rest if t not in spec_values] == list(fallback.argv)
     want = {"SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1", "SPT_NOENV": "1"}
-    assert primary.env == fallback.env == want
+    assert own(primary.env) == own(fallback.env) == want
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,5 +302,5 @@ def test_shell_round_trips(model_path: str, values: list[Any], env_value: str) -
     spec = build(cfg)
     assert shlex.split(spec.shell()) == list(spec.argv)
     assert spec.argv[4] == model_path
-    [line] = spec.env_lines()
+    [line] = [x for x in spec.env_lines() if x.startswith("V=")]
     assert shlex.split(line) == [f"V={env_value}"]
