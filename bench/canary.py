@@ -15,9 +15,11 @@ ignore_eos, return_logprob with top_logprobs_num 2) in three conditions:
   the canary shares its decode batches with them.
 
 Per condition: how many texts differ from the first idle answer, the first position where they
-differ, and per position the smallest top-1 minus top-2 logprob seen (nats). Then one server of
-the canary model with KIMI_TEST_FAULT=perturbed-weights (tests/realsglang/faulthook): does its
-greedy text differ, from which position, and by how many of the 16 tokens.
+differ, per position the smallest top-1 minus top-2 logprob seen (nats), and the largest
+change of a chosen token's logprob against the first answer (before any difference). Then
+servers with KIMI_TEST_FAULT=perturbed-weights (tests/realsglang/faulthook; seed 0): the tiny
+model at 0.5 x std, the canary model at 0.5 and at 1 x std: does the greedy text differ, from
+which position, by how many of the 16 tokens, and how far its logprobs moved.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from tests.realsglang import server as real
 
 TOKENS = real.CANARY_TOKENS
 START_TIMEOUT = 600.0  # a launch took over 180 s with other jobs on the two cores
+# (result name, model, noise scale x std): seed 0 each time (real.perturbed_env).
+PERTURBED = (
+    ("tiny_perturbed_0.5", "tiny", 0.5),
+    ("canary_perturbed_0.5", "canary", 0.5),
+    ("canary_perturbed_1", "canary", 1.0),
+)
 LOAD_TEXTS = (
     "The daemon reads the file, and runs preflight's config checks",
     "Blocking work (model-path checks before a launch",
@@ -56,6 +64,14 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def drift(run: dict[str, Any], ref: dict[str, Any]) -> float:
+    """Largest |logprob - reference logprob| of the chosen tokens, up to the first difference."""
+    same = first_diff(run["ids"], ref["ids"])
+    upto = len(ref["ids"]) if same is None else same
+    pairs = list(zip(run["logprobs"][:upto], ref["logprobs"][:upto], strict=True))
+    return max((abs(a - b) for a, b in pairs), default=0.0)
+
+
 def condition(runs: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
     diffs = [first_diff(r["ids"], ref["ids"]) for r in runs]
     per_pos = [min(r["margins"][i] for r in runs) for i in range(TOKENS)]
@@ -67,6 +83,7 @@ def condition(runs: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]
         "min_margin": round(min(per_pos), 4),
         "median_margin": round(sorted(m for r in runs for m in r["margins"])[len(runs) * 8], 4),
         "cache_hits": sum(r["cached_tokens"] > 0 for r in runs),
+        "max_logprob_drift": round(max(drift(r, ref) for r in runs), 4),
     }
 
 
@@ -75,7 +92,7 @@ def measure(url: str, n: int) -> dict[str, Any]:
     with httpx.Client(trust_env=False) as client:
         client.post(url + "/flush_cache", timeout=60).raise_for_status()
         ref = generate(client, url, real.CANARY_PROMPT)
-        out["reference"] = {"text": ref["text"], "ids": ref["ids"]}
+        out["reference"] = {k: ref[k] for k in ("text", "ids", "logprobs", "margins")}
         idle, repeat = [], []
         for _ in range(n):
             client.post(url + "/flush_cache", timeout=60).raise_for_status()
@@ -125,6 +142,7 @@ def perturbed(url: str, ref: dict[str, Any], n: int = 5) -> dict[str, Any]:
         ],
         "self_consistent": len({tuple(r["ids"]) for r in runs}) == 1,
         "min_margin": round(min(m for r in runs for m in r["margins"]), 4),
+        "max_logprob_drift": round(max(drift(r, ref) for r in runs), 4),
     }
 
 
@@ -138,12 +156,14 @@ def run(n: int, work: Path) -> dict[str, Any]:
             results[name] = measure(srv.url, n)
             results[name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"[canary] {name}: {json.dumps(summary_of(results[name]))}", file=sys.stderr)
-    for name, env in (("tiny_perturbed", sgl), ("canary_perturbed", canary)):
-        base = results[name.removesuffix("_perturbed")]["reference"]
-        fault = {"KIMI_TEST_FAULT": real.PERTURBED_WEIGHTS}
+    for name, model, scale in PERTURBED:
+        base = results[model]["reference"]
+        fault = real.perturbed_env(scale)
         log = work / f"{name}.log"
-        with real.running(env, log, env=fault, timeout=START_TIMEOUT) as srv:
+        which = canary if model == "canary" else sgl
+        with real.running(which, log, env=fault, timeout=START_TIMEOUT) as srv:
             results[name] = perturbed(srv.url, base)
+            results[name]["scale"] = scale
             results[name]["hook_line"] = "kimi-test-fault: perturbed-weights" in srv.log()
         print(f"[canary] {name}: {json.dumps(results[name])}", file=sys.stderr)
     return results
@@ -159,7 +179,7 @@ def summary_of(model: dict[str, Any]) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     head = (
         f"{'model/condition':<18} {'n':>4} {'texts differ':>12} {'cache hits':>10} "
-        f"{'min margin':>10} {'median':>8}  first diff at"
+        f"{'min margin':>10} {'median':>8} {'lp drift':>8}  first diff at"
     )
     out = [head]
     for model in ("tiny", "canary"):
@@ -167,21 +187,25 @@ def table(res: dict[str, Any]) -> str:
             r = res[model][c]
             out.append(
                 f"{model + '/' + c:<18} {r['n']:>4} {r['texts_differing']:>12} "
-                f"{r['cache_hits']:>10} {r['min_margin']:>10.4f} {r['median_margin']:>8.4f}  "
+                f"{r['cache_hits']:>10} {r['min_margin']:>10.4f} {r['median_margin']:>8.4f} "
+                f"{r['max_logprob_drift']:>8.4f}  "
                 f"{r['first_diff_positions'] or '-'}"
             )
     for model in ("tiny", "canary"):
         per_pos = res[model]["idle"]["min_margin_per_position"]
         out.append(f"{model} min margin per position (idle): {per_pos}")
-    for name in ("tiny_perturbed", "canary_perturbed"):
+    for name, _, _ in PERTURBED:
         p = res[name]
         out.append(
             f"{name}: {p['texts_differing']}/{p['n']} texts differ from the unperturbed answer, "
             f"first at {p['first_diff_positions'] or '-'}, tokens differing {p['tokens_differing']}"
-            f", same answer every time: {p['self_consistent']}"
+            f", same answer every time: {p['self_consistent']}, min margin {p['min_margin']}, "
+            f"logprob drift before the first difference {p['max_logprob_drift']}"
         )
     out.append(f"canary reference: {res['canary']['reference']['text']!r}")
-    out.append(f"canary perturbed: {res['canary_perturbed']['text']!r}")
+    for name, model, _ in PERTURBED:
+        if model == "canary":
+            out.append(f"{name}: {res[name]['text']!r}")
     return "\n".join(out)
 
 

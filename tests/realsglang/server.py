@@ -103,7 +103,7 @@ def canary_env(sgl: SGLangEnv) -> SGLangEnv:
     return dataclasses.replace(sgl, model=canary_model(sgl.python))
 
 
-def perturbed_env(scale: float = 0.5, seed: int = 0) -> dict[str, str]:
+def perturbed_env(scale: float = 1.0, seed: int = 0) -> dict[str, str]:
     """Server environment for KIMI_TEST_FAULT=perturbed-weights: noise of `scale` x each
     tensor's std added to the weights right after load (same `seed`, same noise)."""
     return {
@@ -132,7 +132,8 @@ def greedy_answer(
     client: httpx.Client, url: str, text: str = CANARY_PROMPT, tokens: int = CANARY_TOKENS
 ) -> dict[str, Any]:
     """One greedy generation (`/generate`, temperature 0, ignore_eos, return_logprob with
-    top_logprobs_num 2): its text, token ids, top-1 minus top-2 logprob per position (nats),
+    top_logprobs_num 2): its text, token ids and their logprobs, top-1 minus top-2 logprob per
+    position (nats),
     cached prompt tokens (radix-cache hit when > 0) and SGLang's meta_info."""
     r = client.post(
         url + "/generate",
@@ -150,6 +151,7 @@ def greedy_answer(
     return {
         "text": doc["text"],
         "ids": [int(t[1]) for t in meta["output_token_logprobs"]],
+        "logprobs": [float(t[0]) for t in meta["output_token_logprobs"]],
         "margins": [float(top[0][0]) - float(top[1][0]) for top in meta["output_top_logprobs"]],
         "cached_tokens": int(meta.get("cached_tokens") or 0),
         "meta_info": meta,
