@@ -6,7 +6,7 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench --only kimi-serve,health-poller --json out.json
     .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
     .venv/bin/python -m bench --canary 100     # plus greedy stability on the real server
-                                               # (bench.canary: 4 launches, ~10 minutes)
+                                               # (bench.canary: 5 launches, ~20 minutes)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="also N greedy canary generations per condition on the real SGLang server "
-        "(bench.canary; needs tools/sglang-env, four launches)",
+        "(bench.canary; needs tools/sglang-env, five launches)",
     )
     a = p.parse_args(argv)
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
