@@ -6,6 +6,8 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench --only kimi-serve,health-poller --json out.json
     .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
     .venv/bin/python -m bench --downtime 2     # instead: restart downtime, real SGLang (root)
+    .venv/bin/python -m bench --canary 100     # plus greedy stability on the real server
+                                               # (bench.canary: 5 launches, ~20 minutes)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -31,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from bench import downtime, real_sglang, report, scenarios
+from bench import canary, downtime, real_sglang, report, scenarios
 from bench import supervisord as sv_mod
 from bench.common import RUN_ID, Procs, sweep_marked
 from bench.scenarios import APPROACHES, KIMI, POLLER, SUPERVISORD, SYSTEMD, Ctx, Settings
@@ -261,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: the restart-downtime rows on real SGLang with a larger model "
         "(bench.downtime; root, drops the page cache; several minutes per round)",
     )
+    p.add_argument(
+        "--canary",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N greedy canary generations per condition on the real SGLang server "
+        "(bench.canary; needs tools/sglang-env, five launches)",
+    )
     a = p.parse_args(argv)
     if a.downtime > 0:
         json_out = ["--json", str(a.json)] if a.json else []
@@ -301,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
             results["not_measured"]["real_sglang"] = f"{type(exc).__name__}: {first}"
+    if a.canary > 0:
+        try:
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-canary-") as work:
+                results["canary"] = canary.run(a.canary, Path(work))
+            real_table = (real_table + "\n\n" + canary.table(results["canary"])).strip()
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
+            results["not_measured"]["canary"] = f"{type(exc).__name__}: {first}"
     tables = report.all_tables(results)
     m = results["machine"]
     head = (
