@@ -960,7 +960,12 @@ class Machine:
                         f"{n} restarts within {window:g}s on profile {ctx.profile}",
                     ),
                 ]
-        return [*actions, SetTimer(TimerName.BACKOFF, self._next_backoff(), ctx.launch)]
+        # The backoff runs from the restart decision, not from the old launch's last process:
+        # stopping what is left of it (seconds, for SGLang's schedulers) overlaps the wait
+        # instead of adding to every restart's downtime. The gap between two launches is still
+        # at least the backoff.
+        wait = max(0.0, self._next_backoff() - (now - ctx.since))
+        return [*actions, SetTimer(TimerName.BACKOFF, wait, ctx.launch)]
 
     # ------------------------------------------------------------------ restart.mode: exit
 

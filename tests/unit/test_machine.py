@@ -249,11 +249,12 @@ class Drive:
         return actions
 
     def crash(self, after: float = 1.0) -> list[Action]:
-        """SGLang dies in a child state; returns the actions on ChildGone."""
+        """SGLang dies in a child state (its whole group at once, as a SIGKILL of the group
+        leaves it); returns the actions on ChildGone."""
         assert self.state in CHILD_STATES
         self.send(ChildExited(self.launch, None, 9), after=after)
         self.expect(State.RESTARTING)
-        return self.send(ChildGone(self.launch, None, 9), after=0.5)
+        return self.send(ChildGone(self.launch, None, 9))
 
     def backoff_elapsed(self, after: float = 1.0) -> list[Action]:
         actions = self.send(TimerFired(TimerName.BACKOFF, self.launch), after=after)
@@ -713,9 +714,10 @@ def test_a_traceback_then_signal_9_is_fatal_log_with_the_traceback() -> None:
     assert d.send(FatalLog(1, line)) == [
         Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, line)
     ]
+    # The backoff runs from the restart decision: 0.1 s of it passed while the group died.
     assert d.send(ChildGone(1, None, 9), after=0.1) == [
         RecordRestart(Reason.FATAL_LOG, None, 9, line),
-        SetTimer(TimerName.BACKOFF, 5.0, 1),
+        SetTimer(TimerName.BACKOFF, pytest.approx(4.9), 1),
     ]
 
 
@@ -741,9 +743,10 @@ def test_a_fatal_line_after_the_launch_is_gone_changes_nothing() -> None:
 
 def test_child_gone_after_a_crash_records_and_backs_off() -> None:
     d = Drive().restarting()
+    # 2 s of the 5 s backoff passed while the old launch's processes went.
     assert d.send(ChildGone(1, None, 9), after=2) == [
         RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"),
-        SetTimer(TimerName.BACKOFF, 5.0, 1),
+        SetTimer(TimerName.BACKOFF, 3.0, 1),
     ]
     assert d.state is State.RESTARTING and not d.m.ctx.child
 
@@ -882,7 +885,7 @@ def test_the_window_edge(gap: float, loop: bool) -> None:
     first = d.now
     d.backoff_elapsed()
     d.bring_up()
-    d.now = first + gap - 0.5  # the next crash's ChildGone lands `gap` seconds later
+    d.now = first + gap  # the next crash's ChildGone lands `gap` seconds later
     changed = of(ProfileChanged, d.crash(after=0))
     assert changed == ([ProfileChanged(PRIMARY, FALLBACK)] if loop else [])
 
@@ -2137,3 +2140,16 @@ def test_relaunch_mode_is_the_default_and_backs_off() -> None:
     actions = d.crash()
     assert backoff_delays(actions) == [5.0] and not of(CleanHost, actions)
     assert d.state is State.RESTARTING and not d.m.ctx.handing_over
+
+
+@pytest.mark.parametrize(("stop_s", "left"), [(0.0, 5.0), (3.0, 2.0), (7.5, 0.0)])
+def test_stopping_the_old_launch_overlaps_the_backoff(stop_s: float, left: float) -> None:
+    """The backoff is counted from the restart decision: the seconds SGLang's processes take
+    to go are not added to the downtime, and the next launch still comes no sooner than the
+    backoff after the decision."""
+    d = Drive().ready()
+    for _ in range(CFG.liveness.failure_threshold):
+        d.liveness(failed_result())
+    assert d.state is State.RESTARTING
+    timers = [a for a in d.send(ChildGone(1, None, 9), after=stop_s) if isinstance(a, SetTimer)]
+    assert timers == [SetTimer(TimerName.BACKOFF, pytest.approx(left), 1)]
