@@ -91,6 +91,11 @@ class Reason(StrEnum):
     GPU_FAULT = "gpu_fault"
     # Another node of a multi-node replica ended the group's launch (docs/multinode.md).
     GROUP = "group"
+    # quality.canary.policy gate: the launch's canary differs from the golden answer.
+    CANARY_MISMATCH = "canary_mismatch"
+    # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
+    # restart.fallback_profile.
+    SPEC_COLLAPSE = "spec_collapse"
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
@@ -140,6 +145,8 @@ class TimerName(StrEnum):
     LIVENESS = "liveness"
     PROBE_RETRY = "probe_retry"
     CLEAN_RETRY = "clean_retry"
+    # quality.canary.interval: the next liveness probe carries the canary.
+    CANARY = "canary"
 
 
 # ---------------------------------------------------------------------------------- events
@@ -214,6 +221,8 @@ class ProbeDone:
     # SGLang kept working for others meanwhile (its realtime token counter advanced with
     # requests running or queued; probe.is_busy)
     busy: bool = False
+    # The canary ran with the probe and differs from the golden answer: expected and got.
+    canary_mismatch: str | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +294,15 @@ class UndrainRequested:
 
 
 @dataclass(frozen=True)
+class SpecCollapsed:
+    """Speculative decoding's mean accept length stays below quality.spec_accept_floor
+    (quality.SpecWatch); only acted on with quality.on_spec_collapse: fallback."""
+
+    launch: int
+    detail: str
+
+
+@dataclass(frozen=True)
 class GroupEnded:
     """The multi-node group's launch (epoch) ended elsewhere or cannot go on: a peer's SGLang
     died, the leader relaunched, or the admin channel is cut (docs/multinode.md). No node of
@@ -316,6 +334,7 @@ Event = (
     | DrainRequested
     | UndrainRequested
     | GroupEnded
+    | SpecCollapsed
 )
 
 
@@ -345,6 +364,7 @@ class Launch:
 class StartProbe:
     launch: int
     kind: ProbeKind
+    canary: bool = False  # the canary follows the probe, under the same probe gate
 
 
 @dataclass(frozen=True)
@@ -493,6 +513,7 @@ class Context:
     host_message: str = ""  # why cleaning cannot finish, for STATUS
     host_retries: int = 0
     ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
+    canary_due: bool = False  # quality.canary.interval elapsed: the next liveness probe has it
     # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
     handing_over: bool = False
 
@@ -517,7 +538,7 @@ class Machine:
         return [Transitioned(old, new, reason, detail)]
 
     def _cancel_launch_timers(self) -> list[Action]:
-        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY)
+        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY, TimerName.CANARY)
         return [CancelTimer(n) for n in names]
 
     def _current(self, launch: int) -> bool:
@@ -573,6 +594,8 @@ class Machine:
                 return self._child_gone(ChildGone(event.launch, None, None), now)
             case PortOpen() | ReadyLine() if self._current(event.launch):
                 return self._server_up(event, now)
+            case SpecCollapsed() if self._current(event.launch) and ctx.state in PROBED:
+                return self._spec_collapsed(event, now)
             case GroupEnded() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.GROUP, now, event.detail)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
@@ -688,22 +711,52 @@ class Machine:
         return [
             *actions,
             CancelTimer(TimerName.PROBE_RETRY),
-            StartProbe(ctx.launch, ProbeKind.READINESS),
+            StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on),
+        ]
+
+    @property
+    def _canary_on(self) -> bool:
+        return self.cfg.quality.canary.enabled
+
+    def _spec_collapsed(self, event: SpecCollapsed, now: float) -> list[Action]:
+        """TensorRT-LLM turns speculation off below a configured acceptance; here the launch
+        moves to restart.fallback_profile (a profile without speculation). Back to the primary
+        on a reload or `kimi-serve restart --primary` (docs/quality.md)."""
+        ctx, fallback = self.ctx, self.cfg.restart.fallback_profile
+        if self.cfg.quality.on_spec_collapse != "fallback" or not fallback:
+            return []
+        if ctx.profile == fallback:
+            return []  # already there: reported only
+        old, ctx.profile = ctx.profile, fallback
+        ctx.restarts.clear()
+        return [
+            ProfileChanged(old, fallback),
+            *self._restart(Reason.SPEC_COLLAPSE, now, event.detail),
         ]
 
     def _probe_done(self, event: ProbeDone, now: float) -> list[Action]:
         ctx = self.ctx
         r = event.result
         if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
+            ccfg = self.cfg.quality.canary
+            if r.ok and event.canary_mismatch and ccfg.policy == "gate":
+                # Never ready on a wrong answer; counts towards the crash loop like any other
+                # unrequested restart, so the fallback profile is tried.
+                return self._restart(Reason.CANARY_MISMATCH, now, event.canary_mismatch)
             if r.ok:
                 ctx.ready_at = now
                 ctx.ever_ready = True
+                ctx.canary_due = False
+                canary: list[Action] = (
+                    [SetTimer(TimerName.CANARY, ccfg.interval, ctx.launch)] if ccfg.enabled else []
+                )
                 return [
                     *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
                     CancelTimer(TimerName.LOAD),
                     NotifyReady(),
                     SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch),
                     CheckIntent(ctx.launch, r),
+                    *canary,
                 ]
             if r.not_up or event.busy:
                 # Not serving yet (503, refused) or busy: try again until load_timeout.
@@ -713,6 +766,13 @@ class Machine:
             actions: list[Action] = [
                 SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch)
             ]
+            if r.ok and event.canary_mismatch:
+                # Serving already: reported (quality.degraded), never a restart by itself.
+                why = event.canary_mismatch
+                actions = [
+                    Transitioned(ctx.state, ctx.state, Reason.CANARY_MISMATCH, why),
+                    *actions,
+                ]
             if r.ok:
                 ctx.liveness_failures = 0
                 if ctx.state is State.DEGRADED:
@@ -739,10 +799,16 @@ class Machine:
                 return self._restart(Reason.LOAD_TIMEOUT, now, f"no decode within {budget:g}s")
             case TimerName.PROBE_RETRY if ctx.state is State.WARMING and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
-                return [StartProbe(ctx.launch, ProbeKind.READINESS)]
+                return [StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on)]
             case TimerName.LIVENESS if ctx.state in PROBED and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
-                return [StartProbe(ctx.launch, ProbeKind.LIVENESS)]
+                canary, ctx.canary_due = ctx.canary_due and self._canary_on, False
+                return [StartProbe(ctx.launch, ProbeKind.LIVENESS, canary=canary)]
+            case TimerName.CANARY if ctx.state in PROBED:
+                # Carried by the next liveness probe: never a second probe in flight.
+                ctx.canary_due = True
+                interval = self.cfg.quality.canary.interval
+                return [SetTimer(TimerName.CANARY, interval, ctx.launch)]
             # Never relaunch while a process of the old launch may still hold the GPUs.
             case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
                 return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
