@@ -15,40 +15,43 @@ ignored. An event of an earlier launch is always ignored. RSTR is shown with its
 still being stopped; once the child is gone the backoff timer moves it to CLEN.
 
 ```table
-                     STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
-Start                CLEN .    .    .    .    .    .    .    .    .    .    .
-HostReady            .    LNCH .    .    .    .    .    .    .    .    .    .
-HostNotReady         .    =    .    .    .    .    .    .    .    .    .    .
-HostNotReady wedged  .    FAIL .    .    .    .    .    .    .    .    .    .
-Launched             .    .    LOAD .    .    .    .    .    .    .    .    .
-LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-PortOpen             .    .    .    WARM .    .    .    .    .    .    .    .
-ReadyLine            .    .    .    WARM .    .    .    .    .    .    .    .
-FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
-ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
-ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
-readiness ok         .    .    .    .    RDY  .    .    .    .    .    .    .
-readiness failed     .    .    .    .    RSTR .    .    .    .    .    .    .
-liveness ok          .    .    .    .    .    =    RDY  =    .    .    .    .
-liveness failed      .    .    .    .    .    DEGR =    =    .    .    .    .
-timer load_timeout   .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
-timer backoff        .    .    .    .    .    .    .    .    .    .    .    .
-timer liveness       .    .    .    .    .    =    =    =    .    .    .    .
-timer probe_retry    .    .    .    .    .    .    .    .    .    .    .    .
-timer clean_retry    .    =    .    .    .    .    .    .    .    .    .    .
-StopRequested        STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
-RestartRequested     .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
-ReloadRequested      =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead invalid   =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead unchanged =    =    =    =    =    =    =    =    =    CLEN =    =
-ConfigRead changed   =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
-GpuUnfit             .    FAIL .    .    .    .    .    .    .    .    .    .
-GpuFault report      =    =    =    =    =    =    =    =    =    =    .    .
-GpuFault restart     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
-DrainRequested       .    .    .    .    .    DRN  DRN  .    .    .    .    .
-UndrainRequested     .    .    .    .    .    .    .    RDY  .    .    .    .
-GroupEnded           .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+                       STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
+Start                  CLEN .    .    .    .    .    .    .    .    .    .    .
+HostReady              .    LNCH .    .    .    .    .    .    .    .    .    .
+HostNotReady           .    =    .    .    .    .    .    .    .    .    .    .
+HostNotReady wedged    .    FAIL .    .    .    .    .    .    .    .    .    .
+Launched               .    .    LOAD .    .    .    .    .    .    .    .    .
+LaunchFailed           .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen               .    .    .    WARM .    .    .    .    .    .    .    .
+ReadyLine              .    .    .    WARM .    .    .    .    .    .    .    .
+FatalLog               .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
+ChildExited            .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone              .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck        .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok           .    .    .    .    RDY  .    .    .    .    .    .    .
+readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
+readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
+timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
+timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
+timer liveness         .    .    .    .    .    =    =    =    .    .    .    .
+timer probe_retry      .    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry      .    =    .    .    .    .    .    .    .    .    .    .
+StopRequested          STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested       .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested        =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid     =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged   =    =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+GpuUnfit               .    FAIL .    .    .    .    .    .    .    .    .    .
+GpuFault report        =    =    =    =    =    =    =    =    =    =    .    .
+GpuFault restart       =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
+DrainRequested         .    .    .    .    .    DRN  DRN  .    .    .    .    .
+UndrainRequested       .    .    .    .    .    .    .    RDY  .    .    .    .
+GroupEnded             .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+SpecCollapsed fallback .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
 ```
 """
 
@@ -145,8 +148,6 @@ class TimerName(StrEnum):
     LIVENESS = "liveness"
     PROBE_RETRY = "probe_retry"
     CLEAN_RETRY = "clean_retry"
-    # quality.canary.interval: the next liveness probe carries the canary.
-    CANARY = "canary"
 
 
 # ---------------------------------------------------------------------------------- events
@@ -364,7 +365,9 @@ class Launch:
 class StartProbe:
     launch: int
     kind: ProbeKind
-    canary: bool = False  # the canary follows the probe, under the same probe gate
+    # The canary follows the probe, under the same probe gate. Not compared: an action list
+    # reads the same with or without it (tests of the canary read the field itself).
+    canary: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -513,7 +516,7 @@ class Context:
     host_message: str = ""  # why cleaning cannot finish, for STATUS
     host_retries: int = 0
     ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
-    canary_due: bool = False  # quality.canary.interval elapsed: the next liveness probe has it
+    canary_at: float | None = None  # when the launch's last canary was asked for
     # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
     handing_over: bool = False
 
@@ -538,7 +541,7 @@ class Machine:
         return [Transitioned(old, new, reason, detail)]
 
     def _cancel_launch_timers(self) -> list[Action]:
-        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY, TimerName.CANARY)
+        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY)
         return [CancelTimer(n) for n in names]
 
     def _current(self, launch: int) -> bool:
@@ -746,17 +749,13 @@ class Machine:
             if r.ok:
                 ctx.ready_at = now
                 ctx.ever_ready = True
-                ctx.canary_due = False
-                canary: list[Action] = (
-                    [SetTimer(TimerName.CANARY, ccfg.interval, ctx.launch)] if ccfg.enabled else []
-                )
+                ctx.canary_at = now
                 return [
                     *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
                     CancelTimer(TimerName.LOAD),
                     NotifyReady(),
                     SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch),
                     CheckIntent(ctx.launch, r),
-                    *canary,
                 ]
             if r.not_up or event.busy:
                 # Not serving yet (503, refused) or busy: try again until load_timeout.
@@ -802,13 +801,14 @@ class Machine:
                 return [StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on)]
             case TimerName.LIVENESS if ctx.state in PROBED and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
-                canary, ctx.canary_due = ctx.canary_due and self._canary_on, False
+                # quality.canary.interval: the first liveness probe after it carries the
+                # canary, so there is never a second probe in flight.
+                last = ctx.canary_at
+                due = last is None or now - last >= self.cfg.quality.canary.interval
+                canary = due and self._canary_on
+                if canary:
+                    ctx.canary_at = now
                 return [StartProbe(ctx.launch, ProbeKind.LIVENESS, canary=canary)]
-            case TimerName.CANARY if ctx.state in PROBED:
-                # Carried by the next liveness probe: never a second probe in flight.
-                ctx.canary_due = True
-                interval = self.cfg.quality.canary.interval
-                return [SetTimer(TimerName.CANARY, interval, ctx.launch)]
             # Never relaunch while a process of the old launch may still hold the GPUs.
             case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
                 return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
