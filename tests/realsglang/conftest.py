@@ -90,6 +90,14 @@ def sgl() -> real.SGLangEnv:
     return real.build_env()
 
 
+@pytest.fixture(scope="session")
+def canary_sgl(sgl: real.SGLangEnv) -> real.SGLangEnv:
+    """The real environment serving the confident canary model (tools/make-canary-model), built
+    on first use: `daemon_config(tmp, canary_sgl, quality={"canary": {"prompt":
+    real.CANARY_PROMPT}})`."""
+    return real.canary_env(sgl)
+
+
 @dataclass
 class Real:
     """A running daemon with a real SGLang under it."""

@@ -9,12 +9,17 @@ server per module or session (tests/conformance/conftest.py does).
 `KIMI_TEST_FAULT=decode-attributeerror` in `env` makes the real scheduler raise the seed
 incident's AttributeError on its first decode batch after the warmup
 (tests/realsglang/faulthook/sitecustomize.py).
+
+`canary_env(sgl)` is the same environment serving the confident canary model of
+tools/make-canary-model instead of the random tiny one (built on first use, about 30 s, then
+cached by its stamp); `CANARY_PROMPT` is the prompt it continues confidently.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -35,6 +40,12 @@ FAULT_HOOK_DIR = Path(__file__).resolve().parent / "faulthook"
 BUILD_TIMEOUT = 1200.0  # a fresh machine installs ~6 GB; a built environment answers at once
 START_TIMEOUT = 180.0
 SERVER_FLAGS = CPU_FLAGS
+CANARY_MAKER = REPO_ROOT / "tools" / "make-canary-model"
+# A line of tools/sglang-env.d/corpus.txt inside the passage the canary model learnt by heart
+# (tools/make-canary-model CANARY_PROMPT): its greedy continuation of 16 tokens has a top-1/top-2
+# logprob margin of several nats at every position (docs/realsglang.md).
+CANARY_PROMPT = "Events carry the launch number, so a late probe result"
+CANARY_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,30 @@ def build_env() -> SGLangEnv:
             pytest.fail(f"tools/sglang-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         out.append(proc.stdout.strip().splitlines()[-1])
     return SGLangEnv(python=out[0], model=out[1])
+
+
+@functools.cache
+def canary_model(python: str) -> str:
+    """The canary model's directory, <env>/canary-model beside the tiny model, made by
+    tools/make-canary-model with the environment's `python` (built if missing or stale, about
+    30 s on two cores; a stamped, verified build answers at once)."""
+    out = Path(python).resolve().parents[1] / "canary-model"
+    proc = subprocess.run(
+        [python, str(CANARY_MAKER), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"tools/make-canary-model failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def canary_env(sgl: SGLangEnv) -> SGLangEnv:
+    """`sgl` serving the canary model: pass it to start()/running() or to the conftest's
+    daemon_config() as is."""
+    return dataclasses.replace(sgl, model=canary_model(sgl.python))
 
 
 def free_port() -> int:
