@@ -18,6 +18,7 @@ canary's own job, on the answer. Cost: a few MiB read per TB (docs/quality.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -186,7 +187,7 @@ class CanaryStore:
         last = self.last()
         if last is None:
             return None
-        accepted = Golden(**{**last.__dict__, "how": "accepted", "learned_at": time.time()})
+        accepted = dataclasses.replace(last, how="accepted", learned_at=time.time())
         self.save_golden(accepted)
         return accepted
 

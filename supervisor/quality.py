@@ -220,15 +220,18 @@ def compare(golden: Answer, got: Answer, floor: float = MARGIN_FLOOR) -> Compari
     At the first near tie, the answer's token must be one of the golden's two candidates there
     (a swap of the tie is jitter; a third token is not)."""
     k = checked_prefix(golden, floor)
+    if k < MIN_CHECKED:
+        # A golden without confident tokens (a flat, random model; a prompt it cannot
+        # continue) says nothing: never a mismatch, reported as weak.
+        return Comparison(True, k, None, True)
     for i in range(k):
         if i >= len(got.tokens) or got.tokens[i] != golden.tokens[i]:
-            return Comparison(False, k, i, k < MIN_CHECKED)
+            return Comparison(False, k, i, False)
     if k < len(golden.tokens) and k < len(got.tokens):
         runner = golden.top2[k] if k < len(golden.top2) else None
-        candidates = {golden.tokens[k], *([runner] if runner is not None else [])}
-        if runner is not None and got.tokens[k] not in candidates:
-            return Comparison(False, k, k, k < MIN_CHECKED)
-    return Comparison(True, k, None, k < MIN_CHECKED)
+        if runner is not None and got.tokens[k] not in (golden.tokens[k], runner):
+            return Comparison(False, k, k, False)
+    return Comparison(True, k, None, False)
 
 
 # ------------------------------------------------------------------------- decode speed
