@@ -34,7 +34,8 @@ def quality_line(q: object) -> str:
     """/status.quality on one line: the canary, decode speed, accept length, degraded reasons."""
     if not isinstance(q, dict):
         return ""
-    canary = q.get("canary") if isinstance(q.get("canary"), dict) else {}
+    raw = q.get("canary")
+    canary: dict[str, Any] = raw if isinstance(raw, dict) else {}
     state = str(canary.get("state", "?"))
     parts = [f"canary {state.upper() if state == 'mismatch' else state}"]
     if state == "mismatch":
