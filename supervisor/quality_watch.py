@@ -124,6 +124,7 @@ class _LaunchQuality:
     canary: dict[str, Any] = dataclasses.field(default_factory=dict)
     evidence: dict[str, str] = dataclasses.field(default_factory=dict)
     first_canary_ms: float | None = None
+    probes: int = 0  # successful probes whose speed and accept length were read
 
 
 class QualityWatch:
@@ -264,6 +265,7 @@ class QualityWatch:
         if cur is None or cur.launch != done.launch or not done.result.ok:
             return
         meta = done.result.meta
+        cur.probes += 1
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         text = await _metrics_text(self.http, base)
         running = parse_gauge(text, "sglang:num_running_reqs") if text else None
@@ -328,6 +330,7 @@ class QualityWatch:
             "decode_tokens_per_second": cur.speed.last,
             "decode_reference": cur.speed.reference,
             "degraded": self.degraded(),
+            "probes_judged": cur.probes,
             "evidence": {
                 **cur.evidence,
                 "decode_batches_judged": cur.graph.seen,
