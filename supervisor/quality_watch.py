@@ -323,7 +323,14 @@ class QualityWatch:
                 "decode_tokens_per_second": None,
                 "degraded": [],
             }
-        canary = {"at": None, "expected": None, "got": None, **cur.canary}
+        canary = {
+            "at": None,
+            "expected": None,
+            "got": None,
+            **cur.canary,
+            "runs": self.canaries,
+            "mismatches": self.mismatches,
+        }
         return {
             "canary": canary,
             "spec_accept_length": cur.spec.value if cur.speculative else None,
