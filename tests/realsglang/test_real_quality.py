@@ -19,6 +19,7 @@ The figures for docs/benchmarks.md are printed with -s ([realsglang] lines).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import statistics
 import threading
@@ -93,10 +94,8 @@ def test_golden_learned_on_the_first_launch_and_matched_on_the_next(served: Real
 
 def _load(url: str, stop: threading.Event, i: int) -> None:
     while not stop.is_set():
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             real.generate(url, 48, text=f"Story {i}: once upon a time", timeout=120)
-        except httpx.HTTPError:
-            pass
 
 
 def test_no_false_alarm_over_a_hundred_canaries(served: Real) -> None:
