@@ -5,6 +5,8 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench --quick         # tiny sizes, well under 30 s
     .venv/bin/python -m bench --only kimi-serve,health-poller --json out.json
     .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
+    .venv/bin/python -m bench --canary 100     # plus greedy stability on the real server
+                                               # (bench.canary: 4 launches, ~10 minutes)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -30,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from bench import real_sglang, report, scenarios
+from bench import canary, real_sglang, report, scenarios
 from bench import supervisord as sv_mod
 from bench.common import RUN_ID, Procs, sweep_marked
 from bench.scenarios import APPROACHES, KIMI, POLLER, SUPERVISORD, SYSTEMD, Ctx, Settings
@@ -252,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
         "needs tools/sglang-env, about a minute each)",
     )
+    p.add_argument(
+        "--canary",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N greedy canary generations per condition on the real SGLang server "
+        "(bench.canary; needs tools/sglang-env, four launches)",
+    )
     a = p.parse_args(argv)
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
     unknown = set(only) - set(APPROACHES)
@@ -289,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
             results["not_measured"]["real_sglang"] = f"{type(exc).__name__}: {first}"
+    if a.canary > 0:
+        try:
+            with tempfile.TemporaryDirectory(prefix="kimi-bench-canary-") as work:
+                results["canary"] = canary.run(a.canary, Path(work))
+            real_table = (real_table + "\n\n" + canary.table(results["canary"])).strip()
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
+            results["not_measured"]["canary"] = f"{type(exc).__name__}: {first}"
     tables = report.all_tables(results)
     m = results["machine"]
     head = (

@@ -28,7 +28,9 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from supervisor.logscan import READY_LINE
@@ -46,6 +48,10 @@ CANARY_MAKER = REPO_ROOT / "tools" / "make-canary-model"
 # logprob margin of several nats at every position (docs/realsglang.md).
 CANARY_PROMPT = "Events carry the launch number, so a late probe result"
 CANARY_TOKENS = 16
+# KIMI_TEST_FAULT values (tests/realsglang/faulthook/sitecustomize.py has what each does).
+DECODE_ATTRIBUTEERROR = "decode-attributeerror"
+PERTURBED_WEIGHTS = "perturbed-weights"
+SLOW_DECODE = "slow-decode"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,7 @@ def canary_model(python: str) -> str:
     """The canary model's directory, <env>/canary-model beside the tiny model, made by
     tools/make-canary-model with the environment's `python` (built if missing or stale, about
     30 s on two cores; a stamped, verified build answers at once)."""
-    out = Path(python).resolve().parents[1] / "canary-model"
+    out = Path(python).absolute().parents[1] / "canary-model"  # <env>/bin/python: no resolve()
     proc = subprocess.run(
         [python, str(CANARY_MAKER), str(out)],
         capture_output=True,
@@ -95,6 +101,59 @@ def canary_env(sgl: SGLangEnv) -> SGLangEnv:
     """`sgl` serving the canary model: pass it to start()/running() or to the conftest's
     daemon_config() as is."""
     return dataclasses.replace(sgl, model=canary_model(sgl.python))
+
+
+def perturbed_env(scale: float = 0.5, seed: int = 0) -> dict[str, str]:
+    """Server environment for KIMI_TEST_FAULT=perturbed-weights: noise of `scale` x each
+    tensor's std added to the weights right after load (same `seed`, same noise)."""
+    return {
+        "KIMI_TEST_FAULT": PERTURBED_WEIGHTS,
+        "KIMI_TEST_PERTURB_SCALE": f"{scale:g}",
+        "KIMI_TEST_PERTURB_SEED": str(seed),
+    }
+
+
+def slow_decode_env(seconds: float, *, file: Path | None = None, after: int = 0) -> dict[str, str]:
+    """Server environment for KIMI_TEST_FAULT=slow-decode: each decode batch that holds a
+    request other than SGLang's warmup sleeps `seconds`; after the first `after` such batches
+    only, and with `file` only while that file exists (create it to slow a running server down,
+    remove it to speed it up)."""
+    env = {
+        "KIMI_TEST_FAULT": SLOW_DECODE,
+        "KIMI_TEST_SLOW_DECODE_SECONDS": f"{seconds:g}",
+        "KIMI_TEST_SLOW_DECODE_AFTER": str(after),
+    }
+    if file is not None:
+        env["KIMI_TEST_SLOW_DECODE_FILE"] = str(file)
+    return env
+
+
+def greedy_answer(
+    client: httpx.Client, url: str, text: str = CANARY_PROMPT, tokens: int = CANARY_TOKENS
+) -> dict[str, Any]:
+    """One greedy generation (`/generate`, temperature 0, ignore_eos, return_logprob with
+    top_logprobs_num 2): its text, token ids, top-1 minus top-2 logprob per position (nats),
+    cached prompt tokens (radix-cache hit when > 0) and SGLang's meta_info."""
+    r = client.post(
+        url + "/generate",
+        json={
+            "text": text,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+        timeout=300,
+    )
+    r.raise_for_status()
+    doc = r.json()
+    meta = doc["meta_info"]
+    return {
+        "text": doc["text"],
+        "ids": [int(t[1]) for t in meta["output_token_logprobs"]],
+        "margins": [float(top[0][0]) - float(top[1][0]) for top in meta["output_top_logprobs"]],
+        "cached_tokens": int(meta.get("cached_tokens") or 0),
+        "meta_info": meta,
+    }
 
 
 def free_port() -> int:
@@ -219,8 +278,9 @@ def running(
     *,
     env: Mapping[str, str] | None = None,
     args: Sequence[str] = (),
+    timeout: float = START_TIMEOUT,
 ) -> Iterator[RealServer]:
-    server = start(sgl, log_path, env=env, args=args)
+    server = start(sgl, log_path, env=env, args=args, timeout=timeout)
     try:
         yield server
     finally:
