@@ -34,7 +34,7 @@ from supervisor.canary_store import CanaryStore
 from supervisor.quality import compare
 from supervisor.quality_watch import ask
 from tests.realsglang import server as real
-from tests.realsglang.conftest import Real, daemon_config, log_time, real_daemon, report
+from tests.realsglang.conftest import Real, daemon_config, generate, log_time, real_daemon, report
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -95,7 +95,7 @@ def test_golden_learned_on_the_first_launch_and_matched_on_the_next(served: Real
 def _load(url: str, stop: threading.Event, i: int) -> None:
     while not stop.is_set():
         with contextlib.suppress(httpx.HTTPError):
-            real.generate(url, 48, text=f"Story {i}: once upon a time", timeout=120)
+            generate(url, 48, text=f"Story {i}: once upon a time", timeout=120)
 
 
 def test_no_false_alarm_over_a_hundred_canaries(served: Real) -> None:
@@ -120,7 +120,7 @@ def test_no_false_alarm_over_a_hundred_canaries(served: Real) -> None:
                 try:
                     for _ in range(35):
                         if phase == "radix":
-                            real.generate(url, real.CANARY_TOKENS, text=real.CANARY_PROMPT)
+                            generate(url, real.CANARY_TOKENS, text=real.CANARY_PROMPT)
                         got, took = await ask(
                             http, url, real.CANARY_PROMPT, real.CANARY_TOKENS, 120.0
                         )
