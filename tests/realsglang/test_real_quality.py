@@ -64,6 +64,8 @@ def served(canary_sgl: real.SGLangEnv, tmp_path_factory: pytest.TempPathFactory)
         # The fallback profile drops the weight perturbation (step 4).
         profiles={"fallback": {"env": {"KIMI_TEST_FAULT": "slow-decode"}}},
         restart={"fallback_profile": "fallback"},
+        # Six launches share two cores with other work: a slow one must not time out.
+        readiness={"load_timeout": "900s"},
     )
     with real_daemon(tmp, cfg) as r:
         yield r
@@ -75,7 +77,7 @@ def quality(r: Real) -> dict[str, Any]:
 
 
 def test_golden_learned_on_the_first_launch_and_matched_on_the_next(served: Real) -> None:
-    served.wait_ready()
+    served.wait_ready(900)
     q = quality(served)
     assert q["canary"]["state"] == "learned", q
     assert q["canary"]["checked_tokens"] == real.CANARY_TOKENS
@@ -85,7 +87,7 @@ def test_golden_learned_on_the_first_launch_and_matched_on_the_next(served: Real
     report("canary cost at readiness (launch 1)", q["canary"]["ms"], "ms")
     assert served.d.post("/restart").status_code == 202
     served.d.wait_state("restarting")
-    served.wait_ready()
+    served.wait_ready(900)
     q = quality(served)
     assert q["canary"]["state"] == "matched", q
     assert q["canary"]["expected"] == q["canary"]["got"] == golden
@@ -192,18 +194,18 @@ def test_perturbed_weights_gate_then_fallback(served: Real) -> None:
     )
     served.d.signal(signal.SIGHUP)
     assert served.d.wait_state("restarting")["reason"] == "reload"
-    port_open = served.d.wait_state("warming", 300)
+    port_open = served.d.wait_state("warming", 900)
     mismatch = served.d.wait_for(
         lambda e: e.get("event") == "state" and e.get("reason") == "canary_mismatch",
-        300,
+        900,
         what="canary_mismatch",
     )
     report(
         "perturbed launch: port open -> canary_mismatch", log_time(mismatch) - log_time(port_open)
     )
     assert f"expected {golden!r}, got " in mismatch["detail"]
-    served.d.wait_for(lambda e: e.get("event") == "profile changed", 600, what="the fallback")
-    ready = served.wait_ready(600)
+    served.d.wait_for(lambda e: e.get("event") == "profile changed", 1200, what="the fallback")
+    ready = served.wait_ready(900)
     st = served.d.status()
     assert st["profile"] == "fallback"
     assert st["restarts"]["canary_mismatch"] == 2
@@ -220,7 +222,7 @@ def test_perturbed_weights_alert_serves_and_reports(served: Real) -> None:
     served.rewrite(lambda c: c["quality"]["canary"].update({"policy": "alert"}))
     served.d.signal(signal.SIGHUP)
     assert served.d.wait_state("restarting")["reason"] == "reload"
-    served.wait_ready(600)
+    served.wait_ready(900)
     st = served.d.status()
     assert st["profile"] == "primary"
     q = st["quality"]
