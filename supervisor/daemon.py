@@ -405,12 +405,19 @@ class Daemon:
             self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
         )
         if action.canary and done.result.ok:
-            mismatch = await self.quality.canary(action.launch, self.gate)
+            try:
+                mismatch = await self.quality.canary(action.launch, self.gate)
+            except Exception as exc:  # the probe's verdict must reach the machine regardless
+                self.log.error("canary failed", error=f"{type(exc).__name__}: {exc}")
+                mismatch = None
             done = dataclasses.replace(done, canary_mismatch=mismatch)
         # Queued before anything is logged: a broken log must never hide a verdict.
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)
-        await self.quality.probe_done(done)
+        try:
+            await self.quality.probe_done(done)
+        except Exception as exc:
+            self.log.error("quality reading failed", error=f"{type(exc).__name__}: {exc}")
 
     def _line(self, line: str, mono_now: float) -> None:
         self.recorder.line(line, mono_now)

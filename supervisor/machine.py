@@ -951,7 +951,9 @@ class Machine:
             *self._cancel_launch_timers(),
         ]
         if ctx.child:
-            return [*actions, StopChild(ctx.launch, graceful=reason in _REQUESTED)]
+            # A collapse of speculation still serves right: drain it like a requested restart.
+            graceful = reason in _REQUESTED or reason is Reason.SPEC_COLLAPSE
+            return [*actions, StopChild(ctx.launch, graceful=graceful)]
         return [*actions, *self._after_gone(exit_code, sig, now)]
 
     def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
