@@ -401,6 +401,10 @@ class Daemon:
 
     async def _probe(self, action: StartProbe) -> None:
         spec = self.launcher.spec  # judged against what was launched
+        try:
+            decoded_before = await self.quality.before_probe()
+        except Exception:
+            decoded_before = None
         done = await probing.decode(
             self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
         )
@@ -415,7 +419,10 @@ class Daemon:
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)
         try:
-            await self.quality.probe_done(done)
+            own = (done.result.completion_tokens or 0) + (
+                self.cfg.quality.canary.max_tokens if action.canary else 0
+            )
+            await self.quality.probe_done(done, decoded_before, own)
         except Exception as exc:
             self.log.error("quality reading failed", error=f"{type(exc).__name__}: {exc}")
 

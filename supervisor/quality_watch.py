@@ -24,7 +24,14 @@ from supervisor.command import LaunchSpec
 from supervisor.config import Config
 from supervisor.machine import ProbeDone, SpecCollapsed
 from supervisor.metrics import Metrics
-from supervisor.probe import MAX_BODY_BYTES, ProbeGate, abort_request, new_rid, server_url
+from supervisor.probe import (
+    MAX_BODY_BYTES,
+    ProbeGate,
+    abort_request,
+    new_rid,
+    parse_progress,
+    server_url,
+)
 from supervisor.quality import (
     CANARY_MISMATCH,
     DEGRADED_REASONS,
@@ -50,6 +57,8 @@ from supervisor.quality import (
 )
 
 CANARY_TIMEOUT_S = 30.0
+# Decode tokens the counter may add beyond the probe's own (SGLang's warmup, rounding).
+OTHERS_SLACK_TOKENS = 2
 INFO_TIMEOUT_S = 10.0
 
 
@@ -264,8 +273,21 @@ class QualityWatch:
 
     # ------------------------------------------------------------------ probes and gauges
 
-    async def probe_done(self, done: ProbeDone) -> None:
-        """Speed and accept length from a probe's answer, the gauge from SGLang's /metrics."""
+    async def before_probe(self) -> float | None:
+        """SGLang's decode token counter before a probe (None: not exported)."""
+        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
+        text = await _metrics_text(self.http, base)
+        progress = parse_progress(text) if text else None
+        return None if progress is None else progress.realtime_decode
+
+    async def probe_done(
+        self, done: ProbeDone, decoded_before: float | None = None, own_tokens: int = 0
+    ) -> None:
+        """Speed and accept length from a probe's answer, the gauge from SGLang's /metrics.
+
+        The speed sample is skipped when others decoded meanwhile: SGLang's decode counter
+        (`sglang:realtime_tokens_total{mode="decode"}`) moved by more than the probe's and the
+        canary's own tokens (`own_tokens`), or requests still run right after it."""
         cur = self.cur
         if cur is None or cur.launch != done.launch or not done.result.ok:
             return
@@ -274,7 +296,14 @@ class QualityWatch:
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
         text = await _metrics_text(self.http, base)
         running = parse_gauge(text, "sglang:num_running_reqs") if text else None
-        busy = done.busy or bool(running and running > 0)
+        progress = parse_progress(text) if text else None
+        decoded_after = None if progress is None else progress.realtime_decode
+        others = (
+            decoded_before is not None
+            and decoded_after is not None
+            and decoded_after - decoded_before > own_tokens + OTHERS_SLACK_TOKENS
+        )
+        busy = done.busy or others or bool(running and running > 0)
         tps = decode_speed(meta, done.result.latency_s)
         if cur.speed.add(tps, busy, server_measured="decode_throughput" in meta):
             self._slow_changed(cur)
