@@ -154,6 +154,7 @@ def test_no_false_alarm_over_a_hundred_canaries(served: Real) -> None:
 
 
 def test_slowed_decode_is_reported_without_a_restart(served: Real) -> None:
+    real_until(lambda: served.readyz() == 200, 900, "ready")  # also when run alone (-k)
     launch = served.d.status()["child"]["launch"]
     # The launch's own baseline exists (its first probes at full speed).
     real_until(lambda: quality(served)["decode_reference"] is not None, 60, "a speed baseline")
