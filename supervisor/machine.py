@@ -724,7 +724,7 @@ class Machine:
     def _spec_collapsed(self, event: SpecCollapsed, now: float) -> list[Action]:
         """TensorRT-LLM turns speculation off below a configured acceptance; here the launch
         moves to restart.fallback_profile (a profile without speculation). Back to the primary
-        on a reload or `kimi-serve restart --primary` (docs/quality.md)."""
+        on a reload (docs/quality.md)."""
         ctx, fallback = self.ctx, self.cfg.restart.fallback_profile
         if self.cfg.quality.on_spec_collapse != "fallback" or not fallback:
             return []
