@@ -258,6 +258,16 @@ def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return incidents.run_list(store, args.json, out, err)
 
 
+def cmd_canary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import canary_cli, canary_store
+
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    directory = canary_store.default_dir(cfg.state_dir)
+    return canary_cli.run(args.action, directory, args.json, out, err)
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import demo
 
@@ -324,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["show"], help="show one incident")
     p.add_argument("id", nargs="?", metavar="ID", help="incident id, unique prefix, or last")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p = add(
+        "canary",
+        cmd_canary,
+        "the canary's golden answers: show them, accept the last answer, or forget them",
+    )
+    p.add_argument("action", choices=["show", "accept", "forget"])
+    p.add_argument("--json", action="store_true", help="print JSON (show)")
     p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
     p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
     p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")

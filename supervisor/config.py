@@ -225,6 +225,30 @@ class GroupConfig:
         return self.coordinated or self.role == "leader"
 
 
+# The canary's default prompt: short, plain text any base or chat model continues confidently.
+DEFAULT_CANARY_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+CANARY_POLICIES = ("gate", "alert")
+SPEC_COLLAPSE_ACTIONS = ("alert", "fallback")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    enabled: bool = True
+    prompt: str = DEFAULT_CANARY_PROMPT
+    max_tokens: int = 16
+    policy: str = "gate"  # gate | alert
+    interval: float = 600.0
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """Serving quality (docs/quality.md): the canary, speculation's accept length."""
+
+    canary: CanaryConfig = CanaryConfig()
+    spec_accept_floor: float = 1.3
+    on_spec_collapse: str = "alert"  # alert | fallback
+
+
 @dataclass(frozen=True)
 class WarmConfig:
     """What makes a relaunch cheaper: the compile caches' root and the page-cache prewarm
@@ -258,6 +282,7 @@ class Config:
     router: RouterConfig = RouterConfig()
     group: GroupConfig = GroupConfig()
     warm: WarmConfig = WarmConfig("/var/cache/kimi-serve")
+    quality: QualityConfig = QualityConfig()
     # The line of every key in the file ("sglang.args.tp-size" -> 5), for errors found after
     # parsing (SGLang's own parser rejecting a flag). Not part of what a reload compares.
     key_lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
@@ -973,6 +998,47 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
     )
 
 
+def _floor(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"expected a number, got {_kind(value)}")
+    if not 1.0 <= value <= 64.0:
+        raise ValueError(f"{value} is out of range 1-64 (a mean accept length, in tokens)")
+    return float(value)
+
+
+def _canary_prompt(value: object) -> str:
+    if value is None:
+        return DEFAULT_CANARY_PROMPT
+    text = _string(value)
+    if not text.strip():
+        raise ValueError("must not be empty (null: the default prompt)")
+    return text
+
+
+def _quality(r: _Reader, raw: object) -> QualityConfig:
+    p = "quality"
+    s = r.section(raw, p, ("canary", "spec_accept_floor", "on_spec_collapse"))
+    cp = f"{p}.canary"
+    cs = r.section(s.get("canary"), cp, ("enabled", "prompt", "max_tokens", "policy", "interval"))
+    d = CanaryConfig()
+    canary = CanaryConfig(
+        enabled=r.get(cs, cp, "enabled", _bool, d.enabled),
+        prompt=r.get(cs, cp, "prompt", _canary_prompt, d.prompt),
+        # At least 2: one token is a prefill, not a decode.
+        max_tokens=r.get(cs, cp, "max_tokens", _int_in(2, 256), d.max_tokens),
+        policy=r.get(cs, cp, "policy", _choice(*CANARY_POLICIES), d.policy),
+        interval=r.get(cs, cp, "interval", _positive_duration, d.interval),
+    )
+    q = QualityConfig()
+    return QualityConfig(
+        canary=canary,
+        spec_accept_floor=r.get(s, p, "spec_accept_floor", _floor, q.spec_accept_floor),
+        on_spec_collapse=r.get(
+            s, p, "on_spec_collapse", _choice(*SPEC_COLLAPSE_ACTIONS), q.on_spec_collapse
+        ),
+    )
+
+
 def _arg_int(args: Mapping[str, ArgValue], *names: str) -> int | None:
     """The first of `names` in SGLang's args given as a whole number (int or digits)."""
     for name in names:
@@ -1070,6 +1136,7 @@ TOP_KEYS = (
     "router",
     "group",
     "warm",
+    "quality",
 )
 
 
@@ -1113,6 +1180,15 @@ def _cross_checks(r: _Reader, cfg: Config) -> None:
         )
     if fb == PRIMARY:
         r.error("restart.fallback_profile", "the fallback cannot be 'primary' itself")
+    if (
+        parsed("quality.on_spec_collapse", "restart.fallback_profile")
+        and cfg.quality.on_spec_collapse == "fallback"
+        and cfg.restart.fallback_profile is None
+    ):
+        r.error(
+            "quality.on_spec_collapse",
+            "is 'fallback' but no restart.fallback_profile is set to fall back to",
+        )
     backoff = parsed("restart.backoff_max", "restart.backoff_initial")
     if backoff and cfg.restart.backoff_max < cfg.restart.backoff_initial:
         r.error("restart.backoff_max", "must be at least restart.backoff_initial")
@@ -1240,6 +1316,7 @@ def parse(text: str, file: str) -> Config:
         incidents=_incidents(r, top.get("incidents"), state_dir),
         router=_router(r, top.get("router"), sglang),
         warm=_warm(r, top.get("warm"), state_dir),
+        quality=_quality(r, top.get("quality")),
         key_lines=marks,
     )
     cfg = replace(cfg, group=_group(r, top.get("group"), cfg))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ from supervisor.machine import (
 from supervisor.notify import watchdog_interval
 from supervisor.nvml import Nvml
 from supervisor.observed import Observed
+from supervisor.quality_watch import QualityWatch
 from supervisor.recorder import IncidentRecorder
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.
@@ -118,7 +120,9 @@ class Daemon:
         # The evidence of each restart nobody asked for (docs/incidents.md).
         self.recorder = IncidentRecorder(cfg, wall=fx.wall)
         self.observed.recorder = self.recorder
-        self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self.recorder.line)
+        # Serving quality: the canary, decode speed, accept length, graphs (docs/quality.md).
+        self.quality = self.observed.quality = QualityWatch(cfg, fx.http, fx.metrics, self.emit)
+        self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self._line)
         self.router = self.observed.router = router.link_for(
             cfg, self.log, fx.metrics, fx.router_http
         )
@@ -350,6 +354,7 @@ class Daemon:
                 self.launcher.launch(action, before=self.pump.new_launch)
                 if self.launcher.child is not None and self.launcher.child.launch == action.launch:
                     self.recorder.launched(action.launch, action.profile, self.clock())
+                    self.quality.launched(action.launch, self.launcher.spec)
             case StartProbe():
                 self._spawn(self._probe(action))
             case StopChild():
@@ -418,12 +423,34 @@ class Daemon:
 
     async def _probe(self, action: StartProbe) -> None:
         spec = self.launcher.spec  # judged against what was launched
+        try:
+            decoded_before = await self.quality.before_probe()
+        except Exception:
+            decoded_before = None
         done = await probing.decode(
             self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
         )
+        if action.canary and done.result.ok:
+            try:
+                mismatch = await self.quality.canary(action.launch, self.gate)
+            except Exception as exc:  # the probe's verdict must reach the machine regardless
+                self.log.error("canary failed", error=f"{type(exc).__name__}: {exc}")
+                mismatch = None
+            done = dataclasses.replace(done, canary_mismatch=mismatch)
         # Queued before anything is logged: a broken log must never hide a verdict.
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)
+        try:
+            own = (done.result.completion_tokens or 0) + (
+                self.cfg.quality.canary.max_tokens if action.canary else 0
+            )
+            await self.quality.probe_done(done, decoded_before, own)
+        except Exception as exc:
+            self.log.error("quality reading failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _line(self, line: str, mono_now: float) -> None:
+        self.recorder.line(line, mono_now)
+        self.quality.line(line)
 
     async def _intent(self, action: CheckIntent) -> None:
         info, mismatches = await probing.check_intent(
@@ -455,6 +482,7 @@ class Daemon:
         self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = self.warm.cfg = new
         self.pump.configure(new)
         self.recorder.reconfigure(new)
+        self.quality.cfg = new
         if self.group is not None:
             self.group.cfg = new  # timings and token file (reload.judge refuses role, peers)
         self.observed.profile(None, self.machine.ctx.profile)

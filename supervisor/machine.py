@@ -15,40 +15,43 @@ ignored. An event of an earlier launch is always ignored. RSTR is shown with its
 still being stopped; once the child is gone the backoff timer moves it to CLEN.
 
 ```table
-                     STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
-Start                CLEN .    .    .    .    .    .    .    .    .    .    .
-HostReady            .    LNCH .    .    .    .    .    .    .    .    .    .
-HostNotReady         .    =    .    .    .    .    .    .    .    .    .    .
-HostNotReady wedged  .    FAIL .    .    .    .    .    .    .    .    .    .
-Launched             .    .    LOAD .    .    .    .    .    .    .    .    .
-LaunchFailed         .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-PortOpen             .    .    .    WARM .    .    .    .    .    .    .    .
-ReadyLine            .    .    .    WARM .    .    .    .    .    .    .    .
-FatalLog             .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
-ChildExited          .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
-ChildGone            .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-ChildGone stuck      .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
-readiness ok         .    .    .    .    RDY  .    .    .    .    .    .    .
-readiness failed     .    .    .    .    RSTR .    .    .    .    .    .    .
-liveness ok          .    .    .    .    .    =    RDY  =    .    .    .    .
-liveness failed      .    .    .    .    .    DEGR =    =    .    .    .    .
-timer load_timeout   .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
-timer backoff        .    .    .    .    .    .    .    .    .    .    .    .
-timer liveness       .    .    .    .    .    =    =    =    .    .    .    .
-timer probe_retry    .    .    .    .    .    .    .    .    .    .    .    .
-timer clean_retry    .    =    .    .    .    .    .    .    .    .    .    .
-StopRequested        STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
-RestartRequested     .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
-ReloadRequested      =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead invalid   =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead unchanged =    =    =    =    =    =    =    =    =    CLEN =    =
-ConfigRead changed   =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
-GpuUnfit             .    FAIL .    .    .    .    .    .    .    .    .    .
-GpuFault report      =    =    =    =    =    =    =    =    =    =    .    .
-GpuFault restart     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
-DrainRequested       .    .    .    .    .    DRN  DRN  .    .    .    .    .
-UndrainRequested     .    .    .    .    .    .    .    RDY  .    .    .    .
-GroupEnded           .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+                       STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
+Start                  CLEN .    .    .    .    .    .    .    .    .    .    .
+HostReady              .    LNCH .    .    .    .    .    .    .    .    .    .
+HostNotReady           .    =    .    .    .    .    .    .    .    .    .    .
+HostNotReady wedged    .    FAIL .    .    .    .    .    .    .    .    .    .
+Launched               .    .    LOAD .    .    .    .    .    .    .    .    .
+LaunchFailed           .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen               .    .    .    WARM .    .    .    .    .    .    .    .
+ReadyLine              .    .    .    WARM .    .    .    .    .    .    .    .
+FatalLog               .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
+ChildExited            .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone              .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck        .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok           .    .    .    .    RDY  .    .    .    .    .    .    .
+readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
+readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
+timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
+timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
+timer liveness         .    .    .    .    .    =    =    =    .    .    .    .
+timer probe_retry      .    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry      .    =    .    .    .    .    .    .    .    .    .    .
+StopRequested          STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested       .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested        =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid     =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged   =    =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+GpuUnfit               .    FAIL .    .    .    .    .    .    .    .    .    .
+GpuFault report        =    =    =    =    =    =    =    =    =    =    .    .
+GpuFault restart       =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
+DrainRequested         .    .    .    .    .    DRN  DRN  .    .    .    .    .
+UndrainRequested       .    .    .    .    .    .    .    RDY  .    .    .    .
+GroupEnded             .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+SpecCollapsed fallback .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
 ```
 """
 
@@ -92,6 +95,11 @@ class Reason(StrEnum):
     GPU_FAULT = "gpu_fault"
     # Another node of a multi-node replica ended the group's launch (docs/multinode.md).
     GROUP = "group"
+    # quality.canary.policy gate: the launch's canary differs from the golden answer.
+    CANARY_MISMATCH = "canary_mismatch"
+    # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
+    # restart.fallback_profile.
+    SPEC_COLLAPSE = "spec_collapse"
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
@@ -215,6 +223,8 @@ class ProbeDone:
     # SGLang kept working for others meanwhile (its realtime token counter advanced with
     # requests running or queued; probe.is_busy)
     busy: bool = False
+    # The canary ran with the probe and differs from the golden answer: expected and got.
+    canary_mismatch: str | None = None
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,15 @@ class UndrainRequested:
 
 
 @dataclass(frozen=True)
+class SpecCollapsed:
+    """Speculative decoding's mean accept length stays below quality.spec_accept_floor
+    (quality.SpecWatch); only acted on with quality.on_spec_collapse: fallback."""
+
+    launch: int
+    detail: str
+
+
+@dataclass(frozen=True)
 class GroupEnded:
     """The multi-node group's launch (epoch) ended elsewhere or cannot go on: a peer's SGLang
     died, the leader relaunched, or the admin channel is cut (docs/multinode.md). No node of
@@ -317,6 +336,7 @@ Event = (
     | DrainRequested
     | UndrainRequested
     | GroupEnded
+    | SpecCollapsed
 )
 
 
@@ -346,6 +366,9 @@ class Launch:
 class StartProbe:
     launch: int
     kind: ProbeKind
+    # The canary follows the probe, under the same probe gate. Not compared: an action list
+    # reads the same with or without it (tests of the canary read the field itself).
+    canary: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -490,6 +513,7 @@ class Context:
     host_message: str = ""  # why cleaning cannot finish, for STATUS
     host_retries: int = 0
     ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
+    canary_at: float | None = None  # when the launch's last canary was asked for
     # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
     handing_over: bool = False
 
@@ -570,6 +594,8 @@ class Machine:
                 return self._child_gone(ChildGone(event.launch, None, None), now)
             case PortOpen() | ReadyLine() if self._current(event.launch):
                 return self._server_up(event, now)
+            case SpecCollapsed() if self._current(event.launch) and ctx.state in PROBED:
+                return self._spec_collapsed(event, now)
             case GroupEnded() if self._current(event.launch) and ctx.state in CHILD_STATES:
                 return self._restart(Reason.GROUP, now, event.detail)
             case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
@@ -685,16 +711,42 @@ class Machine:
         return [
             *actions,
             CancelTimer(TimerName.PROBE_RETRY),
-            StartProbe(ctx.launch, ProbeKind.READINESS),
+            StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on),
+        ]
+
+    @property
+    def _canary_on(self) -> bool:
+        return self.cfg.quality.canary.enabled
+
+    def _spec_collapsed(self, event: SpecCollapsed, now: float) -> list[Action]:
+        """TensorRT-LLM turns speculation off below a configured acceptance; here the launch
+        moves to restart.fallback_profile (a profile without speculation). Back to the primary
+        on a reload (docs/quality.md)."""
+        ctx, fallback = self.ctx, self.cfg.restart.fallback_profile
+        if self.cfg.quality.on_spec_collapse != "fallback" or not fallback:
+            return []
+        if ctx.profile == fallback:
+            return []  # already there: reported only
+        old, ctx.profile = ctx.profile, fallback
+        ctx.restarts.clear()
+        return [
+            ProfileChanged(old, fallback),
+            *self._restart(Reason.SPEC_COLLAPSE, now, event.detail),
         ]
 
     def _probe_done(self, event: ProbeDone, now: float) -> list[Action]:
         ctx = self.ctx
         r = event.result
         if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
+            ccfg = self.cfg.quality.canary
+            if r.ok and event.canary_mismatch and ccfg.policy == "gate":
+                # Never ready on a wrong answer; counts towards the crash loop like any other
+                # unrequested restart, so the fallback profile is tried.
+                return self._restart(Reason.CANARY_MISMATCH, now, event.canary_mismatch)
             if r.ok:
                 ctx.ready_at = now
                 ctx.ever_ready = True
+                ctx.canary_at = now
                 return [
                     *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
                     CancelTimer(TimerName.LOAD),
@@ -710,6 +762,13 @@ class Machine:
             actions: list[Action] = [
                 SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch)
             ]
+            if r.ok and event.canary_mismatch:
+                # Serving already: reported (quality.degraded), never a restart by itself.
+                why = event.canary_mismatch
+                actions = [
+                    Transitioned(ctx.state, ctx.state, Reason.CANARY_MISMATCH, why),
+                    *actions,
+                ]
             if r.ok:
                 ctx.liveness_failures = 0
                 if ctx.state is State.DEGRADED:
@@ -736,10 +795,17 @@ class Machine:
                 return self._restart(Reason.LOAD_TIMEOUT, now, f"no decode within {budget:g}s")
             case TimerName.PROBE_RETRY if ctx.state is State.WARMING and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
-                return [StartProbe(ctx.launch, ProbeKind.READINESS)]
+                return [StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on)]
             case TimerName.LIVENESS if ctx.state in PROBED and not ctx.probe_in_flight:
                 ctx.probe_in_flight = True
-                return [StartProbe(ctx.launch, ProbeKind.LIVENESS)]
+                # quality.canary.interval: the first liveness probe after it carries the
+                # canary, so there is never a second probe in flight.
+                last = ctx.canary_at
+                due = last is None or now - last >= self.cfg.quality.canary.interval
+                canary = due and self._canary_on
+                if canary:
+                    ctx.canary_at = now
+                return [StartProbe(ctx.launch, ProbeKind.LIVENESS, canary=canary)]
             # Never relaunch while a process of the old launch may still hold the GPUs.
             case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
                 return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
@@ -882,7 +948,9 @@ class Machine:
             *self._cancel_launch_timers(),
         ]
         if ctx.child:
-            return [*actions, StopChild(ctx.launch, graceful=reason in _REQUESTED)]
+            # A collapse of speculation still serves right: drain it like a requested restart.
+            graceful = reason in _REQUESTED or reason is Reason.SPEC_COLLAPSE
+            return [*actions, StopChild(ctx.launch, graceful=graceful)]
         return [*actions, *self._after_gone(exit_code, sig, now)]
 
     def _child_gone(self, event: ChildGone, now: float) -> list[Action]:

@@ -17,6 +17,7 @@ from supervisor import __version__
 from supervisor.logscan import Stream
 from supervisor.machine import ProbeKind, Reason, State
 from supervisor.probe import FAILURE_REASONS
+from supervisor.quality import DEGRADED_REASONS as QUALITY_REASONS
 
 # Operations on the router's worker API (label `op` of kimi_serve_router_errors_total).
 ROUTER_OPS = ("register", "deregister", "list", "drain")
@@ -28,9 +29,6 @@ ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status", "/grou
 # The label of a refused request to a path no route has (supervisor/admin.py, _endpoint):
 # created with the others, so it reads 0 from the first scrape.
 ADMIN_OTHER_ENDPOINT = "other"
-
-# Label `reason` of kimi_serve_quality_degraded (contract: "Serving quality").
-QUALITY_DEGRADED_REASONS = ("canary_mismatch", "spec_collapse", "slow_decode", "no_cuda_graph")
 
 # From seconds (a crash on a warm, small model) to the ~10-minute cold load of a large one and
 # the ~30-minute cold DeepGEMM compile (sglang#18823).
@@ -212,31 +210,6 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
-        # Serving quality and restart downtime (contract: "Serving quality", "Restart
-        # downtime"): declared here so that the rules and the dashboard query exported names.
-        self.canary_ok = Gauge(
-            "kimi_serve_canary_ok",
-            "1 when the last canary matched the golden answer, else 0.",
-            registry=r,
-        )
-        self.spec_accept_length = Gauge(
-            "kimi_serve_spec_accept_length",
-            "Mean speculative accept length measured by kimi-serve.",
-            registry=r,
-        )
-        self.decode_tokens_per_second = Gauge(
-            "kimi_serve_decode_tokens_per_second",
-            "Single-stream decode speed of the probes, tokens per second.",
-            registry=r,
-        )
-        self.quality_degraded = Gauge(
-            "kimi_serve_quality_degraded",
-            "1 while serving is degraded for the reason, else 0.",
-            ["reason"],
-            registry=r,
-        )
-        for reason in QUALITY_DEGRADED_REASONS:
-            self.quality_degraded.labels(reason)
         self._gpu_source = gpu_snapshot
         # kimi_serve_gpu_healthy: the fitness verdict of each managed GPU, read at scrape time
         # from the GPU snapshot (nvml.gpu_status()'s `health`); a verdict set here (the check
@@ -250,6 +223,31 @@ class Metrics:
             registry=r,
         )
         r.register(_GpuCollector(lambda: self._gpu_source(), lambda: self._gpu_fit))
+        # Serving quality (docs/quality.md).
+        self.canary_ok = Gauge(
+            "kimi_serve_canary_ok",
+            "1 when the last canary matched (or learned) the golden answer, 0 on a mismatch "
+            "or while no canary has run on this launch.",
+            registry=r,
+        )
+        self.spec_accept_length = Gauge(
+            "kimi_serve_spec_accept_length",
+            "Mean speculative accept length (tokens per verification) of the launch; 0 without "
+            "speculative decoding.",
+            registry=r,
+        )
+        self.decode_tps = Gauge(
+            "kimi_serve_decode_tokens_per_second",
+            "Single-stream decode speed of the last probe or canary, tokens/s.",
+            registry=r,
+        )
+        self.quality_degraded = Gauge(
+            "kimi_serve_quality_degraded",
+            "1 while the serving-quality reason holds (canary_mismatch, spec_collapse, "
+            "slow_decode, no_cuda_graph).",
+            ["reason"],
+            registry=r,
+        )
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
         for reason in Reason:
             self.restarts.labels(reason.value)
@@ -265,6 +263,8 @@ class Metrics:
                 self.probe_failures.labels(kind.value, failure)
         for endpoint in (*ADMIN_PROTECTED_ENDPOINTS, ADMIN_OTHER_ENDPOINT):
             self.admin_denied.labels(endpoint)
+        for cause in QUALITY_REASONS:
+            self.quality_degraded.labels(cause).set(0)
         self.set_state(State.STARTING, 0.0)
         self.build.labels(__version__, "unknown").set(1)
 
@@ -319,6 +319,16 @@ class Metrics:
 
     def router_error(self, op: str) -> None:
         self.router_errors.labels(op).inc()
+
+    def set_quality(
+        self, canary_ok: bool, accept: float | None, tps: float | None, degraded: Iterable[str]
+    ) -> None:
+        self.canary_ok.set(1 if canary_ok else 0)
+        self.spec_accept_length.set(accept or 0.0)
+        self.decode_tps.set(tps or 0.0)
+        held = set(degraded)
+        for reason in QUALITY_REASONS:
+            self.quality_degraded.labels(reason).set(1 if reason in held else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -75,6 +75,7 @@ class Observed:
         self.router: RouterLink | None = None  # set by the daemon when router.url is set
         self.group: Any = None  # supervisor.group.Group of a coordinated multi-node replica
         self.reload_refused: str | None = None  # why the last valid reload was not taken
+        self.quality: Any = None  # supervisor.quality_watch.QualityWatch, set by the daemon
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None
@@ -290,6 +291,9 @@ class Observed:
                 parts.append(
                     f"failing {ctx.liveness_failures}/{self.cfg.liveness.failure_threshold}"
                 )
+        degraded = [] if self.quality is None else self.quality.degraded()
+        if degraded and state in (State.READY, State.DEGRADED, State.DRAINING):
+            parts.append(f"- quality: {', '.join(degraded)}")
         if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
             parts.append(f"- {self.detail}")
         if note := self.note():
@@ -350,5 +354,6 @@ class Observed:
             "events": list(self.events),
             "router": unlinked_status() if self.router is None else self.router.status(),
             "reload_refused": self.reload_refused,
+            **({} if self.quality is None else {"quality": self.quality.status()}),
             **({} if self.group is None else {"group": self.group.status()}),
         }

@@ -17,9 +17,9 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.config import ProbeConfig
 from supervisor.logscan import OWN_RID_MARK
 
+_T = TypeVar("_T")
 # Present in meta_info only when speculative verification ran (docs/sglang.md).
 SPEC_VERIFY_KEY = "spec_verify_ct"
 MAX_BODY_BYTES = 1 << 20  # a probe answer is a few hundred bytes; more is not a probe answer
@@ -367,6 +368,16 @@ class ProbeGate:
                 return await probe(
                     client, base_url, cfg, speculative, timeout=timeout, rid=new_rid(kind)
                 )
+            finally:
+                self._in_flight -= 1
+
+    async def exclusive(self, fn: Callable[[], Awaitable[_T]]) -> _T:
+        """Another request of the probe's kind (the canary) under the same one-in-flight rule."""
+        async with self._lock:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            try:
+                return await fn()
             finally:
                 self._in_flight -= 1
 

@@ -31,6 +31,27 @@ def _when(unix: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(unix)))
 
 
+def quality_line(q: object) -> str:
+    """/status.quality on one line: the canary, decode speed, accept length, degraded reasons."""
+    if not isinstance(q, dict):
+        return ""
+    raw = q.get("canary")
+    canary: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    state = str(canary.get("state", "?"))
+    parts = [f"canary {state.upper() if state == 'mismatch' else state}"]
+    if state == "mismatch":
+        parts[0] += f" (expected {canary.get('expected')!r}, got {canary.get('got')!r})"
+    tps = q.get("decode_tokens_per_second")
+    if isinstance(tps, int | float):
+        parts.append(f"decode {tps:.1f} tokens/s")
+    accept = q.get("spec_accept_length")
+    if isinstance(accept, int | float):
+        parts.append(f"accept length {accept:.2f}")
+    degraded = [str(d) for d in q.get("degraded") or []]
+    parts.append("DEGRADED: " + ", ".join(degraded) if degraded else "ok")
+    return ", ".join(parts)
+
+
 def render(doc: dict[str, Any], now: float) -> str:
     out: list[str] = []
     state = doc.get("state", "?")
@@ -88,6 +109,9 @@ def render(doc: dict[str, Any], now: float) -> str:
         head = f"{total:.0f} s" if isinstance(total, int | float) else "incomplete"
         parts = ", ".join(f"{k} {v:.0f} s" for k, v in load["phases"].items())
         out.append(f" Last load: {head} ({parts})")
+    quality = quality_line(doc.get("quality"))
+    if quality:
+        out.append(f"   Quality: {quality}")
     intent = doc.get("intent") or {}
     for m in intent.get("mismatches") or []:
         out.append(

@@ -71,8 +71,29 @@ def _message_text(content: Any) -> str:
     return ""
 
 
-def _generate_meta(result: Result) -> dict[str, Any]:
-    """tokenizer_manager._handle_batch_output's meta_info, the keys kimi-serve reads."""
+def _logprobs(result: Result, top: int) -> dict[str, Any]:
+    """return_logprob: [logprob, token_id, null] per output token (tokenizer_manager.py
+    detokenize_logprob_tokens, 0.5.23), and with top_logprobs_num the top-N per position. The
+    stand-in is confident: its token leads the runner-up by 6 nats."""
+    ids = [token_id(w) for w in result.words]
+    out: dict[str, Any] = {
+        "output_token_logprobs": [[-0.01, i, None] for i in ids],
+        "output_token_logprobs_length": len(ids),
+    }
+    if top > 0:
+        out["output_top_logprobs"] = [
+            [[-0.01, i, None], *[[-6.0 - k, (i + 1 + k) % 32000, None] for k in range(top - 1)]]
+            for i in ids
+        ]
+    return out
+
+
+def _generate_meta(
+    result: Result, logprob_top: int | None = None, metrics_on: bool = False
+) -> dict[str, Any]:
+    """tokenizer_manager._handle_batch_output's meta_info, the keys kimi-serve reads.
+    `logprob_top`: return_logprob was asked for, with that top_logprobs_num; `metrics_on`:
+    --enable-metrics (decode_throughput: observability/req_time_stats.py:500-532)."""
     n = result.completion_tokens
     finish: dict[str, Any] = (
         {"type": "stop", "matched": EOS_TOKEN_ID}
@@ -101,7 +122,18 @@ def _generate_meta(result: Result) -> dict[str, Any]:
             "spec_verify_ct": spec.verify_ct,
         }
     meta["e2e_latency"] = result.e2e_latency
+    if metrics_on and n > 1 and result.e2e_latency > 0:
+        meta["decode_throughput"] = (n - 1) / result.e2e_latency
+    if logprob_top is not None:
+        meta |= _logprobs(result, logprob_top)
     return meta
+
+
+def _logprob_top(body: dict[str, Any]) -> int | None:
+    if body.get("return_logprob") is not True:
+        return None
+    top = body.get("top_logprobs_num")
+    return top if isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20 else 0
 
 
 class Api:
@@ -284,7 +316,9 @@ class Api:
                 {
                     "text": "".join(f" {w}" for w in result.words),
                     "output_ids": [token_id(w) for w in result.words],
-                    "meta_info": _generate_meta(result),
+                    "meta_info": _generate_meta(
+                        result, _logprob_top(body), self.args.recorded.get("enable_metrics") is True
+                    ),
                 },
             )
 

@@ -287,14 +287,18 @@ class Engine:
         self.generation_tokens_total += n
         spec = None
         if self.args.speculative:
-            spec = spec_for(n, self.args.speculative_num_draft_tokens or 1)
+            collapsed = self.settings.has(f.SPEC_COLLAPSE)
+            spec = spec_for(n, 1 if collapsed else self.args.speculative_num_draft_tokens or 1)
             if spec.verify_ct:
                 self.spec_accept_length = spec.accept_length
                 self.spec_tokens_total += n
                 self.spec_verify_total += spec.verify_ct
+        words = completion_words(prompt, n)
+        if self.settings.has(f.WRONG_ANSWER):
+            words = [w[::-1] + "x" for w in words]  # other tokens, as wrong weights give
         return Result(
             rid=rid,
-            words=completion_words(prompt, n),
+            words=words,
             prompt_tokens=prompt_tokens,
             e2e_latency=time.monotonic() - start,
             spec=spec,
@@ -355,7 +359,8 @@ class Engine:
             self.log.tp(
                 0,
                 f"Decode batch, #running-req: {len(self.running)}, "
-                f"#token: {self.realtime_decode_tokens}, token usage: 0.01, cuda graph: True, "
+                f"#token: {self.realtime_decode_tokens}, token usage: 0.01, "
+                f"cuda graph: {not self.settings.has(f.NO_CUDA_GRAPH)}, "
                 f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: 0",
             )
 

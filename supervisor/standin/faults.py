@@ -26,6 +26,12 @@ ORPHANS = "orphans"
 IGNORE_SIGTERM = "ignore-sigterm"
 SLOW_DECODE = "slow-decode"
 LOG_FLOOD = "log-flood"
+# What a CPU cannot show of real SGLang (docs/quality.md): speculation that accepts nothing
+# (every verify step lands only its bonus token: accept length 1.0), decode batches that run
+# without CUDA graphs (`cuda graph: False`), and a canary answer of different tokens.
+SPEC_COLLAPSE = "spec-collapse"
+NO_CUDA_GRAPH = "no-cuda-graph"
+WRONG_ANSWER = "wrong-answer"
 
 FAULTS = (
     SEED_INCIDENT,
@@ -39,6 +45,9 @@ FAULTS = (
     IGNORE_SIGTERM,
     SLOW_DECODE,
     LOG_FLOOD,
+    SPEC_COLLAPSE,
+    NO_CUDA_GRAPH,
+    WRONG_ANSWER,
 )
 
 

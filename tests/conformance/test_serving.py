@@ -270,3 +270,48 @@ def test_resource_tracker_child(server: Server) -> None:
 )
 def test_start_up_log_lines(server: Server, pattern: str) -> None:
     server.wait_log(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] " + r".*" + pattern, timeout=1)
+
+
+# -- serving quality (docs/quality.md) ---------------------------------------------------------
+
+
+def test_generate_logprobs_as_the_canary_reads_them(server: Server) -> None:
+    """return_logprob with top_logprobs_num 2: a [logprob, token_id, text] per output token and
+    the top two per position (tokenizer_manager.py detokenize_logprob_tokens)."""
+    from supervisor.quality import Answer, parse_answer
+
+    body = {
+        "text": "Hello world",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    r = server.post("/generate", body)
+    assert r.status_code == 200, f"[{server.side}] {r.text[:300]}"
+    got = parse_answer(r.content, elapsed_s=1.0)
+    assert isinstance(got, Answer), f"[{server.side}] {got}"
+    assert list(got.tokens) == r.json()["output_ids"], server.side
+    assert all(m is not None and m >= 0 for m in got.margins), f"[{server.side}] {got.margins}"
+    assert all(t is not None for t in got.top2), server.side
+
+
+def test_decode_throughput_with_enable_metrics(server: Server) -> None:
+    """--enable-metrics: meta_info.decode_throughput (observability/req_time_stats.py:500-532),
+    what the quality watch reads as the single-stream decode speed."""
+    meta = server.generate(8).json()["meta_info"]
+    tput = meta.get("decode_throughput")
+    assert isinstance(tput, float) and tput > 0, f"[{server.side}] {sorted(meta)}"
+
+
+def test_decode_batch_lines_carry_the_graph_label(server: Server) -> None:
+    """metrics_reporter.py:286-290,1040: every decode-batch line says `<device> graph: B`; the
+    stand-in imitates a GPU's `cuda graph`, a real CPU server says `cpu graph`."""
+    from supervisor.quality import decode_graph
+
+    assert server.generate(96).status_code == 200
+    line = server.wait_log(r"Decode batch[^\n]*graph: (True|False)[^\n]*", timeout=10).group(0)
+    got = decode_graph(line)
+    assert got is not None, f"[{server.side}] {line}"
+    running, device, _used = got
+    assert running >= 1
+    assert device == ("cuda" if server.side == "standin" else "cpu"), line

@@ -38,6 +38,7 @@ PURPOSE = {
     "restart": "restart SGLang",
     "drain": "deregister from the router",
     "undrain": "register with the router again",
+    "canary": "golden answers",
 }
 
 PRODUCTION_FLAGS = [
@@ -336,3 +337,30 @@ def test_the_stdout_a_command_gets_is_still_the_terminal_or_the_journal() -> Non
     finally:
         os.close(controller)
         os.close(terminal)
+
+
+def test_canary_command_show_accept_forget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from supervisor.canary_store import CanaryStore, Golden
+    from supervisor.quality import Answer
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n")
+    assert cli.main(["canary", "show", "--config", str(cfg)]) == 0
+    assert "no golden answer" in capsys.readouterr().out
+    assert cli.main(["canary", "accept", "--config", str(cfg)]) == 1
+    assert "no canary answer received" in capsys.readouterr().err
+    store = CanaryStore(str(tmp_path / "state" / "canary"))
+    answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
+    store.save_last(Golden("k1", answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
+    assert cli.main(["canary", "accept", "--config", str(cfg)]) == 0
+    assert "accepted ' hi there'" in capsys.readouterr().out
+    assert cli.main(["canary", "show", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "golden k1 (accepted" in out and "1 of 2 tokens compared" in out
+    assert cli.main(["canary", "show", "--json", "--config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["goldens"][0]["key"] == "k1"
+    assert cli.main(["canary", "forget", "--config", str(cfg)]) == 0
+    assert "forgot 1 golden" in capsys.readouterr().out
+    assert store.goldens() == []

@@ -8,9 +8,11 @@ table and compares it cell by cell, and checks every edge it shows against `EDGE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from supervisor import machine
+from supervisor.config import Config
 from supervisor.machine import (
     EDGES,
     ChildExited,
@@ -33,6 +35,7 @@ from supervisor.machine import (
     Reason,
     ReloadRequested,
     RestartRequested,
+    SpecCollapsed,
     Start,
     State,
     StopRequested,
@@ -41,7 +44,18 @@ from supervisor.machine import (
     UndrainRequested,
     Verdict,
 )
-from tests.unit.test_machine import PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
+from tests.unit.test_machine import CFG, PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
+
+SPEC_FALLBACK_CFG = dataclasses.replace(
+    CFG, quality=dataclasses.replace(CFG.quality, on_spec_collapse="fallback")
+)
+
+
+def _with(d: Drive, cfg: Config) -> bool:
+    """The row's configuration, taken once the machine is in the column's state."""
+    d.cfg = d.m.cfg = cfg
+    return True
+
 
 SHORT = {
     State.STARTING: "STRT",
@@ -98,6 +112,12 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "readiness failed": _probe(ProbeKind.READINESS, False),
     "liveness ok": _probe(ProbeKind.LIVENESS, True),
     "liveness failed": _probe(ProbeKind.LIVENESS, False),
+    "readiness mismatch": lambda d: ProbeDone(
+        d.launch, ProbeKind.READINESS, ok_result(), canary_mismatch="expected 'a', got 'b'"
+    ),
+    "liveness mismatch": lambda d: ProbeDone(
+        d.launch, ProbeKind.LIVENESS, ok_result(), canary_mismatch="expected 'a', got 'b'"
+    ),
     **{f"timer {n.value}": _timer(n) for n in TimerName},
     "StopRequested": lambda d: StopRequested(),
     "RestartRequested": lambda d: RestartRequested(Reason.MANUAL),
@@ -111,6 +131,10 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "DrainRequested": lambda d: DrainRequested(),
     "UndrainRequested": lambda d: UndrainRequested(),
     "GroupEnded": lambda d: GroupEnded(d.launch, "follower left epoch"),
+    "SpecCollapsed fallback": lambda d: (
+        _with(d, SPEC_FALLBACK_CFG)
+        and SpecCollapsed(d.launch, "mean accept length 1.00 below the floor 1.3")
+    ),
 }
 
 

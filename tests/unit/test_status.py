@@ -224,3 +224,26 @@ def test_render_shows_how_often_an_event_repeated() -> None:
         f"cleaning -> cleaning (host_not_ready) - sglang.port 30000 is in use (x118, last {last})"
     )
     assert lines[-2].endswith("starting -> cleaning (started)")
+
+
+def test_quality_line() -> None:
+    from supervisor.status import quality_line
+
+    ok = {
+        "canary": {"state": "matched"},
+        "decode_tokens_per_second": 88.04,
+        "spec_accept_length": 2.714,
+        "degraded": [],
+    }
+    assert quality_line(ok) == "canary matched, decode 88.0 tokens/s, accept length 2.71, ok"
+    bad = {
+        "canary": {"state": "mismatch", "expected": "a b", "got": "c d"},
+        "decode_tokens_per_second": None,
+        "spec_accept_length": None,
+        "degraded": ["canary_mismatch", "slow_decode"],
+    }
+    line = quality_line(bad)
+    assert line == (
+        "canary MISMATCH (expected 'a b', got 'c d'), DEGRADED: canary_mismatch, slow_decode"
+    )
+    assert quality_line(None) == "" and quality_line({"canary": 3}).startswith("canary ?")

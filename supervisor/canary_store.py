@@ -1,0 +1,209 @@
+"""The canary's golden answers under <state_dir>/canary/, keyed by what the model *is*.
+
+The key is the model files' content identity plus SGLang's version (and the canary's prompt and
+length): a model copied to another path keeps its golden; a model whose weights change gets a new
+one. A full hash of hundreds of GB at every start would cost minutes, so the identity reads only:
+
+- every file's relative name and size;
+- every small file (config, tokenizer, index: up to SMALL_FILE_BYTES) whole;
+- each safetensors file's header (tensor names, dtypes, shapes, offsets: its first 8 + N bytes);
+- SAMPLES blocks of SAMPLE_BYTES spread evenly over every large file, the last one its end.
+
+Fine-tuned, re-quantised or corrupted weights of the same shapes change bytes everywhere, so
+the samples see them; a truncated or re-sharded copy changes sizes or headers. What it cannot
+see is a change confined to bytes no sample reads (a single flipped weight): that is the
+canary's own job, on the answer. Cost: a few MiB read per TB (docs/quality.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.quality import Answer
+
+SMALL_FILE_BYTES = 16 << 20
+SAMPLES = 16
+SAMPLE_BYTES = 4096
+MAX_HEADER_BYTES = 100 << 20  # safetensors caps its header at 100 MB
+MAX_FILES = 100_000
+IDENTITY_VERSION = "1"
+
+
+def model_identity(model_path: str) -> str:
+    """A hex digest of the model's content identity; a path that is not a local file or
+    directory (a hub id) is identified by its name."""
+    h = hashlib.sha256(f"kimi-serve model identity v{IDENTITY_VERSION}\n".encode())
+    root = Path(model_path)
+    try:
+        if root.is_file():
+            files = [(root.name, root)]
+        elif root.is_dir():
+            found = sorted(
+                (str(p.relative_to(root)), p)
+                for p in root.rglob("*")
+                if p.is_file() and not p.name.startswith(".")
+            )
+            files = found[:MAX_FILES]
+        else:
+            h.update(f"name {model_path}\n".encode())
+            return h.hexdigest()
+        for rel, path in files:
+            _one_file(h, rel, path)
+    except OSError as exc:
+        h.update(f"unreadable {exc.__class__.__name__}\n".encode())
+    return h.hexdigest()
+
+
+def _one_file(h: Any, rel: str, path: Path) -> None:
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(f"file {rel} {size}\n".encode())
+        if size <= SMALL_FILE_BYTES:
+            h.update(f.read())
+            return
+        if rel.endswith(".safetensors"):
+            raw = f.read(8)
+            if len(raw) == 8:
+                (n,) = struct.unpack("<Q", raw)
+                h.update(f.read(min(n, MAX_HEADER_BYTES)))
+        for i in range(SAMPLES):
+            f.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)))
+            h.update(f.read(SAMPLE_BYTES))
+
+
+def golden_key(identity: str, sglang_version: str, prompt: str, max_tokens: int) -> str:
+    raw = f"{identity}\n{sglang_version}\n{max_tokens}\n{prompt}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Golden:
+    key: str
+    answer: Answer
+    model_path: str
+    identity: str
+    sglang_version: str
+    prompt: str
+    max_tokens: int
+    learned_at: float  # wall time
+    how: str  # "learned" (first verified launch) | "accepted" (kimi-serve canary accept)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "answer": self.answer.to_json(),
+            "model_path": self.model_path,
+            "identity": self.identity,
+            "sglang_version": self.sglang_version,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "learned_at": self.learned_at,
+            "how": self.how,
+        }
+
+    @staticmethod
+    def from_json(doc: object) -> Golden | None:
+        if not isinstance(doc, dict):
+            return None
+        answer = Answer.from_json(doc.get("answer"))
+        strings = ("key", "model_path", "identity", "sglang_version", "prompt", "how")
+        if answer is None or not all(isinstance(doc.get(k), str) for k in strings):
+            return None
+        mt, at = doc.get("max_tokens"), doc.get("learned_at")
+        if not isinstance(mt, int) or not isinstance(at, int | float):
+            return None
+        return Golden(
+            key=doc["key"],
+            answer=answer,
+            model_path=doc["model_path"],
+            identity=doc["identity"],
+            sglang_version=doc["sglang_version"],
+            prompt=doc["prompt"],
+            max_tokens=mt,
+            learned_at=float(at),
+            how=doc["how"],
+        )
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path: Path) -> object:
+    try:
+        with path.open() as f:
+            return json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+class CanaryStore:
+    """<dir>/golden-<key>.json, one per identity; <dir>/last.json, the last answer received
+    (what `kimi-serve canary accept` takes); <dir>/current.json names the key in use."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = Path(directory)
+
+    def _golden_path(self, key: str) -> Path:
+        return self.dir / f"golden-{key}.json"
+
+    def golden(self, key: str) -> Golden | None:
+        g = Golden.from_json(_read_json(self._golden_path(key)))
+        return g if g is not None and g.key == key else None
+
+    def save_golden(self, golden: Golden) -> None:
+        _write_json(self._golden_path(golden.key), golden.to_json())
+
+    def save_last(self, golden: Golden) -> None:
+        """The last received answer, as the golden it would be if accepted."""
+        _write_json(self.dir / "last.json", golden.to_json())
+
+    def last(self) -> Golden | None:
+        return Golden.from_json(_read_json(self.dir / "last.json"))
+
+    def accept(self) -> Golden | None:
+        """`canary accept`: the last received answer becomes the golden for its key."""
+        last = self.last()
+        if last is None:
+            return None
+        accepted = dataclasses.replace(last, how="accepted", learned_at=time.time())
+        self.save_golden(accepted)
+        return accepted
+
+    def forget(self) -> list[str]:
+        """`canary forget`: every golden is removed (the next verified launch learns anew)."""
+        removed: list[str] = []
+        for p in sorted(self.dir.glob("golden-*.json")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p.name)
+        return removed
+
+    def goldens(self) -> list[Golden]:
+        out = [Golden.from_json(_read_json(p)) for p in sorted(self.dir.glob("golden-*.json"))]
+        return [g for g in out if g is not None]
+
+
+def default_dir(state_dir: str) -> str:
+    return os.path.join(state_dir, "canary")

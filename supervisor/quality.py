@@ -1,0 +1,451 @@
+"""Serving quality verdicts: the canary's comparison, decode speed, speculation's accept length,
+the decode path (CUDA graphs). Pure and total: arbitrary input in, a verdict out, no I/O.
+
+docs/quality.md says why each rule is what it is and what was measured on the real server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Degraded reasons (kimi_serve_quality_degraded{reason}), in the order /status lists them.
+CANARY_MISMATCH = "canary_mismatch"
+SPEC_COLLAPSE = "spec_collapse"
+SLOW_DECODE = "slow_decode"
+NO_CUDA_GRAPH = "no_cuda_graph"
+DEGRADED_REASONS = (CANARY_MISMATCH, SPEC_COLLAPSE, SLOW_DECODE, NO_CUDA_GRAPH)
+
+# Canary states (/status.quality.canary.state).
+LEARNED = "learned"
+MATCHED = "matched"
+MISMATCH = "mismatch"
+DISABLED = "disabled"
+UNKNOWN = "unknown"
+
+# A golden token is compared only while the golden's own top-1 led its top-2 by at least this
+# many nats (a probability ratio of e^1.5 = 4.5). Jitter of the serving stack (a radix-cache
+# hit, another batch composition, tp reductions, bf16 rounding) moves logits by hundredths to a
+# few tenths of a nat; it can swap two near-tied tokens, never a token that leads by 1.5. After
+# the first near tie the continuation may legitimately differ, so nothing after it is compared
+# (docs/quality.md, "The canary").
+MARGIN_FLOOR = 1.5
+# A golden that checks fewer tokens than this cannot tell a right model from a wrong one.
+MIN_CHECKED = 2
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One greedy canary answer: its token ids, each position's top-1 - top-2 logprob margin
+    (None where SGLang gave no top-2), the text, and the decode speed it was served at."""
+
+    text: str
+    tokens: tuple[int, ...]
+    margins: tuple[float | None, ...]
+    top2: tuple[int | None, ...] = ()  # the runner-up token at each position
+    tokens_per_second: float | None = None
+    server_measured: bool = False  # tokens_per_second is SGLang's own decode_throughput
+    cached_tokens: int | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "margins": list(self.margins),
+            "top2": list(self.top2),
+            "tokens_per_second": self.tokens_per_second,
+            "server_measured": self.server_measured,
+        }
+
+    @staticmethod
+    def from_json(doc: object) -> Answer | None:
+        """A stored answer, or None if `doc` is not one (a damaged file is no golden)."""
+        if not isinstance(doc, dict):
+            return None
+        text, tokens = doc.get("text"), doc.get("tokens")
+        margins, top2 = doc.get("margins"), doc.get("top2", [])
+        if not isinstance(text, str) or not isinstance(tokens, list):
+            return None
+        if not isinstance(margins, list) or len(margins) != len(tokens):
+            return None
+        if not isinstance(top2, list):
+            return None
+        if not all(_is_int(t) for t in tokens):
+            return None
+        if not all(m is None or _finite(m) for m in margins):
+            return None
+        tps = _num(doc.get("tokens_per_second"))
+        return Answer(
+            text=text,
+            tokens=tuple(int(t) for t in tokens),
+            margins=tuple(None if m is None else float(m) for m in margins),
+            top2=tuple(int(t) if _is_int(t) else None for t in top2),
+            tokens_per_second=tps,
+            server_measured=doc.get("server_measured") is True,
+        )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v: object) -> float | None:
+    """A finite number as float, else None."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def _whole(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _pair(entry: object) -> tuple[float, int] | None:
+    """SGLang's logprob entry [logprob, token_id, text|null] -> (logprob, token_id)."""
+    if not isinstance(entry, list | tuple) or len(entry) < 2:
+        return None
+    lp, tid = entry[0], entry[1]
+    if not _is_int(tid):
+        return None
+    if lp is None or not _finite(lp):
+        return (-math.inf, int(tid))
+    return (float(lp), int(tid))
+
+
+def parse_answer(body: bytes, elapsed_s: float | None = None) -> Answer | str:
+    """The /generate answer of a canary request (return_logprob, top_logprobs_num 2), or why it
+    is not one. `elapsed_s`: the request's wall time, for the measured speed without
+    --enable-metrics."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "the answer is not JSON"
+    if isinstance(doc, list) and len(doc) == 1:
+        doc = doc[0]
+    if not isinstance(doc, dict):
+        return "expected a JSON object"
+    text, meta = doc.get("text"), doc.get("meta_info")
+    if not isinstance(text, str) or not isinstance(meta, dict):
+        return "text or meta_info is missing from the /generate answer"
+    out = meta.get("output_token_logprobs")
+    if not isinstance(out, list) or not out:
+        return "meta_info.output_token_logprobs is missing (return_logprob ignored?)"
+    tops = meta.get("output_top_logprobs")
+    tokens: list[int] = []
+    margins: list[float | None] = []
+    top2: list[int | None] = []
+    for i, entry in enumerate(out):
+        chosen = _pair(entry)
+        if chosen is None:
+            return f"output_token_logprobs[{i}] is not [logprob, token_id, text]"
+        tokens.append(chosen[1])
+        margin: float | None = None
+        runner: int | None = None
+        if isinstance(tops, list) and i < len(tops) and isinstance(tops[i], list):
+            ranked = sorted(
+                (p for p in (_pair(e) for e in tops[i]) if p is not None),
+                key=lambda p: -p[0],
+            )
+            others = [p for p in ranked if p[1] != chosen[1]]
+            if ranked and others:
+                best = max(chosen[0], ranked[0][0])
+                margin = best - others[0][0]
+                runner = others[0][1]
+        margins.append(None if margin is None or not math.isfinite(margin) else margin)
+        top2.append(runner)
+    cached = _whole(meta.get("cached_tokens"))
+    return Answer(
+        text=text,
+        tokens=tuple(tokens),
+        margins=tuple(margins),
+        top2=tuple(top2),
+        tokens_per_second=decode_speed(meta, elapsed_s),
+        server_measured=_finite(meta.get("decode_throughput")),
+        cached_tokens=cached,
+        meta=meta,
+    )
+
+
+def decode_speed(meta: Mapping[str, Any], elapsed_s: float | None) -> float | None:
+    """Single-stream decode tokens/s: SGLang's own `decode_throughput` (--enable-metrics:
+    observability/req_time_stats.py:500-532, 0.5.23), else completion tokens over the request's
+    wall time (a lower bound: it includes the prefill)."""
+    tput = _num(meta.get("decode_throughput"))
+    if tput is not None and tput > 0:
+        return tput
+    tokens = _whole(meta.get("completion_tokens"))
+    if tokens is not None and tokens > 1 and elapsed_s is not None and elapsed_s > 0:
+        return float(tokens) / elapsed_s
+    return None
+
+
+def checked_prefix(golden: Answer, floor: float = MARGIN_FLOOR) -> int:
+    """How many leading golden tokens are compared: up to the first position whose margin was
+    below `floor` (or unknown) when the golden was recorded."""
+    for i, m in enumerate(golden.margins):
+        if m is None or m < floor:
+            return i
+    return len(golden.tokens)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    match: bool
+    checked: int  # golden tokens compared
+    first_diff: int | None  # the first compared position that differs
+    weak: bool  # too few confident tokens to tell anything (checked < MIN_CHECKED)
+
+    def detail(self, golden: Answer, got: Answer) -> str:
+        if self.match:
+            return f"{self.checked} confident tokens match"
+        return (
+            f"token {self.first_diff} of {self.checked} confident ones differs: "
+            f"expected {golden.text!r}, got {got.text!r}"
+        )
+
+
+def compare(golden: Answer, got: Answer, floor: float = MARGIN_FLOOR) -> Comparison:
+    """The canary verdict: the confident prefix of the golden must come back token for token.
+    At the first near tie, the answer's token must be one of the golden's two candidates there
+    (a swap of the tie is jitter; a third token is not)."""
+    k = checked_prefix(golden, floor)
+    if k < MIN_CHECKED:
+        # A golden without confident tokens (a flat, random model; a prompt it cannot
+        # continue) says nothing: never a mismatch, reported as weak.
+        return Comparison(True, k, None, True)
+    for i in range(k):
+        if i >= len(got.tokens) or got.tokens[i] != golden.tokens[i]:
+            return Comparison(False, k, i, False)
+    if k < len(golden.tokens) and k < len(got.tokens):
+        runner = golden.top2[k] if k < len(golden.top2) else None
+        if runner is not None and got.tokens[k] not in (golden.tokens[k], runner):
+            return Comparison(False, k, k, False)
+    return Comparison(True, k, None, False)
+
+
+# ------------------------------------------------------------------------- decode speed
+
+# slow_decode: the single-stream speed stays below SLOW_RATIO of the reference for SLOW_COUNT
+# consecutive idle samples; it clears after SLOW_COUNT consecutive samples above
+# RECOVER_RATIO. The reference is the higher of this launch's own first BASELINE_SAMPLES
+# (median) and the golden's speed. Samples taken while other requests ran are skipped: a
+# loaded server is slower per stream by design.
+SLOW_RATIO = 0.5
+RECOVER_RATIO = 0.7
+SLOW_COUNT = 3
+BASELINE_SAMPLES = 3
+
+
+@dataclass
+class SpeedWatch:
+    golden_tps: float | None = None
+    first: list[float] = field(default_factory=list)
+    low: int = 0
+    high: int = 0
+    slow: bool = False
+    last: float | None = None
+
+    @property
+    def baseline(self) -> float | None:
+        return statistics.median(self.first) if len(self.first) >= BASELINE_SAMPLES else None
+
+    @property
+    def reference(self) -> float | None:
+        return self._reference(golden=True)
+
+    def _reference(self, golden: bool) -> float | None:
+        own = [self.baseline, self.golden_tps if golden else None]
+        refs = [r for r in own if r is not None and r > 0]
+        return max(refs) if refs else None
+
+    def add(self, tps: float | None, busy: bool, server_measured: bool = True) -> bool:
+        """One sample; returns whether `slow` changed. `server_measured`: SGLang's own
+        decode_throughput, comparable with the golden's; a wall-clock measure (it includes the
+        prefill) is held against this launch's own samples only."""
+        if tps is None or not math.isfinite(tps) or tps <= 0:
+            return False
+        self.last = tps
+        if busy:
+            return False
+        if len(self.first) < BASELINE_SAMPLES:
+            self.first.append(tps)
+        ref = self._reference(golden=server_measured)
+        if ref is None:
+            return False
+        before = self.slow
+        if tps < SLOW_RATIO * ref:
+            self.low, self.high = self.low + 1, 0
+        elif tps >= RECOVER_RATIO * ref:
+            self.low, self.high = 0, self.high + 1
+        else:
+            self.low = self.high = 0
+        if not self.slow and self.low >= SLOW_COUNT:
+            self.slow = True
+        elif self.slow and self.high >= SLOW_COUNT:
+            self.slow = False
+        return self.slow != before
+
+    def detail(self) -> str:
+        ref = self.reference
+        last = f"{self.last:.1f}" if self.last is not None else "?"
+        return f"decode {last} tokens/s, reference {ref or 0:.1f} (x{SLOW_RATIO:g} is slow)"
+
+
+# ------------------------------------------------------------------------- speculation
+
+# A collapse is judged on SGLang's own gauge when it has one (a mean over real traffic), else on
+# the mean of the last SPEC_WINDOW probes; SPEC_COUNT consecutive judgements below the floor.
+SPEC_WINDOW = 3
+SPEC_COUNT = 2
+
+
+def accept_length(meta: Mapping[str, Any]) -> float | None:
+    """Mean accept length of one answer: meta_info.spec_accept_length, else completion tokens
+    per verification (managers/tokenizer_manager.py:3149-3172, 0.5.23: present only when
+    verification ran)."""
+    v = _num(meta.get("spec_accept_length"))
+    if v is not None and v > 0:
+        return v
+    ct, tokens = _whole(meta.get("spec_verify_ct")), _whole(meta.get("completion_tokens"))
+    if ct is not None and ct > 0 and tokens is not None and tokens > 0:
+        return float(tokens) / float(ct)
+    return None
+
+
+@dataclass
+class SpecWatch:
+    floor: float
+    probes: deque[float] = field(default_factory=lambda: deque(maxlen=SPEC_WINDOW))
+    gauge: float | None = None
+    low: int = 0
+    collapsed: bool = False
+
+    @property
+    def value(self) -> float | None:
+        if self.gauge is not None and self.gauge > 0:
+            return self.gauge
+        return statistics.fmean(self.probes) if self.probes else None
+
+    def add(self, probe: float | None, gauge: float | None) -> bool:
+        """A probe's accept length and/or the gauge's; returns whether `collapsed` changed."""
+        if probe is not None:
+            self.probes.append(probe)
+        if gauge is not None and math.isfinite(gauge) and gauge > 0:
+            self.gauge = gauge
+        v = self.value
+        if v is None or (probe is None and gauge is None):
+            return False
+        before = self.collapsed
+        self.low = self.low + 1 if v < self.floor else 0
+        if self.low >= SPEC_COUNT:
+            self.collapsed = True
+        elif self.low == 0:
+            self.collapsed = False
+        return self.collapsed != before
+
+    def detail(self) -> str:
+        return f"mean accept length {self.value or 0:.2f} below the floor {self.floor:g}"
+
+
+def parse_gauge(text: str, name: str = "sglang:spec_accept_length") -> float | None:
+    """One gauge from a Prometheus text page (the mean over its label sets), or None."""
+    values: list[float] = []
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name) :]
+        if rest and rest[0] not in " {":
+            continue
+        try:
+            v = float(rest.rsplit(None, 1)[-1])
+        except (ValueError, IndexError):
+            continue
+        if math.isfinite(v):
+            values.append(v)
+    return statistics.fmean(values) if values else None
+
+
+# ------------------------------------------------------------------------- decode path
+
+# scheduler_components/metrics_reporter.py:286-290,1040 (0.5.23): every decode-batch log line
+# ends "<device> graph: True|False, gen throughput ...". Only batches of at most
+# GRAPH_MAX_RUNNING requests are judged: a larger batch may exceed the captured sizes and run
+# without a graph by design.
+_DECODE_LINE = re.compile(
+    r"Decode batch[^\n]*?#running-req:\s*(\d+)[^\n]*?\b(cuda|cpu|npu|musa) graph:\s*(True|False)"
+)
+GRAPH_MAX_RUNNING = 8
+GRAPH_COUNT = 3
+
+
+def decode_graph(line: str) -> tuple[int, str, bool] | None:
+    """(running requests, graph label's device, graph used) of a decode-batch line."""
+    m = _DECODE_LINE.search(line)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2), m.group(3) == "True"
+
+
+@dataclass
+class GraphWatch:
+    """no_cuda_graph: GRAPH_COUNT consecutive small decode batches said `cuda graph: False` on
+    a profile that does not disable CUDA graphs; one that ran on a graph clears it."""
+
+    expected: bool  # the profile leaves CUDA graphs on
+    without: int = 0
+    missing: bool = False
+    seen: int = 0
+    last_line: str = ""
+
+    def feed(self, line: str) -> bool:
+        got = decode_graph(line)
+        if got is None:
+            return False
+        running, device, used = got
+        if device != "cuda" or running > GRAPH_MAX_RUNNING:
+            return False
+        self.seen += 1
+        before = self.missing
+        if used:
+            self.without = 0
+            self.missing = False
+        else:
+            self.without += 1
+            self.last_line = line.strip()[-300:]
+            if self.expected and self.without >= GRAPH_COUNT:
+                self.missing = True
+        return self.missing != before
+
+
+# Startup lines that show which path a launch runs on (shown beside the intent check).
+STARTUP_EVIDENCE: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # arg_groups/overrides.py: each reason to turn the overlap scheduler off is a warning
+    # naming the "overlap schedule" (0.5.23 says nothing when it stays on).
+    ("overlap", re.compile(r"overlap schedul", re.IGNORECASE)),
+    ("spec_v2", re.compile(r"\bspec(ulative)?[ _-]?v2\b", re.IGNORECASE)),
+    # cuda_graph_setup.py:696: "Capture ... CUDA graph end. elapsed=..."
+    ("graph_capture", re.compile(r"Capture [^\n]*graph end", re.IGNORECASE)),
+)
+
+
+def startup_evidence(line: str) -> tuple[str, str] | None:
+    for key, pattern in STARTUP_EVIDENCE:
+        m = pattern.search(line)
+        if m is not None:
+            return key, line.strip()[-300:]
+    return None
+
+
+def profile_disables_graphs(argv: Sequence[str]) -> bool:
+    return "--disable-cuda-graph" in argv
