@@ -11,10 +11,8 @@ import json
 from typing import TextIO
 
 from supervisor.canary_store import CanaryStore, Golden
+from supervisor.exits import EX_NOTHING, EX_OK
 from supervisor.quality import checked_prefix
-
-EX_OK = 0
-EX_NOTHING = 1
 
 
 def _when(t: float) -> str:

@@ -7,6 +7,8 @@ EX_OK = 0
 # An internal error, a failed probe or cleaning, a refused request; `preflight`: host not ready.
 EX_FAIL = 1
 EXIT_HOST = EX_FAIL
+# `canary show|accept`: there is nothing to show or accept (no golden, no answer yet).
+EX_NOTHING = EX_FAIL
 # `status`: the daemon answered and is not ready; the daemon could not be reached.
 EX_NOT_READY = 3
 EX_UNREACHABLE = 4
