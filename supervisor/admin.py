@@ -114,6 +114,8 @@ SGLANG_TEXT_KEYS = frozenset(
 # without a token (the reason may name the user: "runs as alice, not the daemon's uid").
 PROCESS_KEYS = frozenset({"cmdline", "user", "reason", "ppid"})
 CLEAN_TEXT_KEYS = frozenset({"message", "wedged"})
+# The canary's answers (/status.quality.canary): text the model generated, so SGLang's text.
+CANARY_TEXT_KEYS = frozenset({"expected", "got"})
 
 UNAUTHORIZED = "401: missing or wrong admin token (Authorization: Bearer <admin.token_file>)\n"
 
@@ -184,6 +186,8 @@ def redact(doc: Any) -> Any:
             out["name"] = program_name(str(doc.get("cmdline") or ""))
         if "found" in doc:  # a cleaning report: its message and wedged lines quote them
             out = {k: v for k, v in out.items() if k not in CLEAN_TEXT_KEYS}
+        if "got" in doc:  # the canary's expected and received answers
+            out = {k: v for k, v in out.items() if k not in CANARY_TEXT_KEYS}
         return out
     if isinstance(doc, list):
         return [redact(v) for v in doc]
@@ -293,7 +297,9 @@ def build_app(
         doc = backend.status_document()
         if not request[AUTHENTICATED]:
             doc = redact(doc)
-            doc["redacted"] = sorted(SGLANG_TEXT_KEYS | PROCESS_KEYS | CLEAN_TEXT_KEYS)
+            doc["redacted"] = sorted(
+                SGLANG_TEXT_KEYS | PROCESS_KEYS | CLEAN_TEXT_KEYS | CANARY_TEXT_KEYS
+            )
         return web.json_response(doc, dumps=_dumps)
 
     async def restart(_: web.Request) -> web.Response:

@@ -718,3 +718,19 @@ def test_the_summary_says_what_a_tokenless_status_left_out(tmp_path: Path) -> No
     shown = status.render(redacted, now=2.0)
     assert SGLANG_LINE not in shown and "Last restart: fatal_log" in shown
     assert "shown with the admin token" in shown
+
+
+def test_the_canarys_answers_are_left_out_without_the_token() -> None:
+    """The canary's expected and received texts are what the model generated: SGLang's text,
+    shown only with the token; the intent check's `expected` (a config value) stays."""
+    doc = {
+        "quality": {
+            "canary": {"state": "mismatch", "at": 5.0, "expected": "Paris", "got": "Lyon"},
+            "degraded": ["canary_mismatch"],
+        },
+        "intent": {"mismatches": [{"arg": "tp_size", "expected": 8, "actual": 4}]},
+    }
+    shown = admin.redact(doc)
+    assert shown["quality"]["canary"] == {"state": "mismatch", "at": 5.0}
+    assert shown["quality"]["degraded"] == ["canary_mismatch"]
+    assert shown["intent"]["mismatches"] == [{"arg": "tp_size", "expected": 8, "actual": 4}]
