@@ -237,7 +237,7 @@ class RecordStore:
 
     def check_writable(self) -> None:
         """Raises OSError with a readable message when the state dir cannot be used."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".probe-", delete=True):
             pass
 

@@ -504,7 +504,9 @@ def test_the_pod_runs_kimi_serve_on_the_mounted_config(
             assert volumes[mounts[str(path.parent)]]["configMap"]["name"] == cm["metadata"]["name"]
             assert path.name in cm["data"]
             cfg = load_config(overlay, docs, WORKER_ENV)
-            assert volumes[mounts[cfg.state_dir]].get("emptyDir") == {}, role
+            # The daemon's own directory inside the emptyDir (the volume's root is 0777).
+            state_volume = volumes[mounts[str(Path(cfg.state_dir).parent)]]
+            assert state_volume.get("emptyDir") == {}, role
             model_root = next(m for m in mounts if cfg.sglang.model_path.startswith(m + "/"))
             assert "persistentVolumeClaim" in volumes[mounts[model_root]], role
             shm = volumes[mounts["/dev/shm"]]["emptyDir"]
@@ -522,7 +524,6 @@ def test_the_pods_are_confined(rendered: dict[str, list[dict[str, Any]]]) -> Non
         assert spec["automountServiceAccountToken"] is False, role
         pod = spec["securityContext"]
         assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, role
-        assert "fsGroup" not in pod, role  # it would make the Secret's token group-readable
         c = container(template)
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False, role
@@ -533,14 +534,17 @@ def test_the_pods_are_confined(rendered: dict[str, list[dict[str, Any]]]) -> Non
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         cfg = dict(configs(rendered))[role]
         env = {e["name"]: e.get("value") for e in c["env"]}
-        for writable in (cfg.state_dir, "/tmp", "/dev/shm", env["HOME"]):
+        for writable in (str(Path(cfg.state_dir).parent), "/tmp", "/dev/shm", env["HOME"]):
             mount = mounts[writable]
             assert not mount.get("readOnly"), (role, writable)
             assert "emptyDir" in volumes[mount["name"]], (role, writable)
         if role == "one-node":
             assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, role
             assert pod["runAsGroup"] > 0, role
+            # The cache claim is writable for the non-root user (the caches persist).
+            assert pod["fsGroup"] == pod["runAsGroup"], role
         else:
+            assert "fsGroup" not in pod, role  # it would make the Secret's token group-readable
             # The Secret's token file is root's, 0400: read by uid 0 with no capability.
             assert pod["runAsUser"] == 0 and sc["capabilities"]["drop"] == ["ALL"], role
             assert "/etc/kimi-serve-token" in mounts, role
@@ -548,3 +552,23 @@ def test_the_pods_are_confined(rendered: dict[str, list[dict[str, Any]]]) -> Non
 
 def test_rendering_is_deterministic() -> None:
     assert render("multi-node") == render("multi-node")
+
+
+def test_the_token_directory_is_the_daemons_own_inside_a_0777_emptydir(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The kubelet makes an emptyDir mode 0777 (pkg/volume/emptydir): the token rules refuse
+    that as the token's directory, so state_dir is a directory the daemon makes inside it."""
+    from supervisor import admin_token
+    from supervisor.identity import RecordStore
+
+    for role, cfg in configs(rendered):
+        mount = tmp_path / role
+        mount.mkdir()
+        mount.chmod(0o777)  # as the kubelet leaves an emptyDir
+        with pytest.raises(admin_token.TokenFileError):
+            admin_token.check_directory(mount)
+        assert Path(cfg.state_dir).parent != Path(cfg.state_dir)
+        state = mount / Path(cfg.state_dir).name
+        RecordStore(str(state)).check_writable()  # what the daemon does first at start
+        admin_token.check_directory(state)  # then the token can go there
