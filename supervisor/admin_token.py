@@ -20,6 +20,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 43 characters
 MIN_LENGTH = 32  # an operator-written token must be as long as ours, about
@@ -120,18 +121,8 @@ def load(path: str) -> Token:
     made or changed it (`resolve`), as a Kubernetes Secret volume mounts its keys
     (`token -> ..data/token`, `..data -> ..<timestamp>`); the checks apply to the file at the
     end of the chain."""
-    real, seen = resolve(path)
-    where = path if real == path else f"{path} (-> {real})"
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise TokenFileError(f"cannot read the admin token file {where}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
-            # Swapped between the walk and the open: by root or us (nobody else can), e.g. a
-            # Secret's rotation. The next read sees the new one.
-            raise TokenFileError(f"admin token file {where} changed while it was read; retry")
+    f, st, where = _open_resolved(path, frozenset({0, os.geteuid()}), "admin token file")
+    with f:
         problem = _permission_problem(st)
         if problem:
             raise TokenFileError(
@@ -142,6 +133,27 @@ def load(path: str) -> Token:
             )
         data = f.read(MAX_FILE_BYTES + 1)
     return Token(_parse(path, data), _identity(st))
+
+
+def _open_resolved(
+    path: str, trusted: frozenset[int], what: str
+) -> tuple[BinaryIO, os.stat_result, str]:
+    """The file at the end of `path`'s chain (`resolve`), open, with its fstat and a name for
+    messages; never a file swapped in between the walk and the open."""
+    real, seen = resolve(path, trusted, what)
+    where = path if real == path else f"{path} (-> {real})"
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the {what} {where}: {exc.strerror}") from None
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(f.fileno())
+    if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+        f.close()
+        # Swapped between the walk and the open: by root or us (nobody else can), e.g. a
+        # Secret's rotation. The next read sees the new one.
+        raise TokenFileError(f"{what} {where} changed while it was read; retry")
+    return f, st, where
 
 
 def resolve(
@@ -342,16 +354,8 @@ def read_secret(path: str, what: str) -> str:
     the token file; a regular file of root or the service user, one hard link, nothing for
     others and no write for the group (root:kimi 0640 is fine). Its first line, stripped."""
     trusted = frozenset({0, os.geteuid()})
-    real, seen = resolve(path, trusted, what)
-    where = path if real == path else f"{path} (-> {real})"
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise TokenFileError(f"cannot read the {what} {where}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
-            raise TokenFileError(f"{what} {where} changed while it was read; retry")
+    f, st, where = _open_resolved(path, trusted, what)
+    with f:
         problem = _permission_problem(st, trusted, group_read=True)
         if problem:
             raise TokenFileError(f"{what} {where} {problem}")
