@@ -220,18 +220,19 @@ def compare(golden: Answer, got: Answer, floor: float = MARGIN_FLOOR) -> Compari
     At the first near tie, the answer's token must be one of the golden's two candidates there
     (a swap of the tie is jitter; a third token is not)."""
     k = checked_prefix(golden, floor)
-    if k < MIN_CHECKED:
-        # A golden without confident tokens (a flat, random model; a prompt it cannot
-        # continue) says nothing: never a mismatch, reported as weak.
-        return Comparison(True, k, None, True)
+    # A golden with fewer confident tokens (a flat, random model; a prompt it cannot continue)
+    # is reported as weak: it tells little, but the same rules hold. Its first near tie still
+    # needs one of its two candidates: garbage or other weights pick any of the vocabulary, and
+    # a swap with a third token needs a three-way tie within the stack's jitter.
+    weak = k < MIN_CHECKED
     for i in range(k):
         if i >= len(got.tokens) or got.tokens[i] != golden.tokens[i]:
-            return Comparison(False, k, i, False)
+            return Comparison(False, k, i, weak)
     if k < len(golden.tokens) and k < len(got.tokens):
         runner = golden.top2[k] if k < len(golden.top2) else None
         if runner is not None and got.tokens[k] not in (golden.tokens[k], runner):
-            return Comparison(False, k, k, False)
-    return Comparison(True, k, None, False)
+            return Comparison(False, k, k, weak)
+    return Comparison(True, k, None, weak)
 
 
 # ------------------------------------------------------------------------- decode speed

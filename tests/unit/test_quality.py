@@ -78,8 +78,18 @@ def test_at_the_near_tie_a_third_token_is_a_mismatch() -> None:
     assert not q.compare(g, answer([1, 2, 42, 4], [5.0] * 4)).match
 
 
-def test_a_flat_golden_is_weak_and_never_a_mismatch() -> None:
-    g = answer([1, 2, 3], [0.01, 5.0, 5.0])
+def test_a_flat_golden_is_weak_but_its_first_tie_needs_one_of_its_two_candidates() -> None:
+    g = answer([1, 2, 3], [0.01, 5.0, 5.0], top2=[7, 0, 0])
+    other_weights = q.compare(g, answer([9, 9, 9], [0.0] * 3))
+    assert not other_weights.match and other_weights.weak and other_weights.checked == 0
+    assert other_weights.first_diff == 0
+    swapped_tie = q.compare(g, answer([7, 8, 9], [0.0] * 3))
+    assert swapped_tie.match and swapped_tie.weak
+    assert q.compare(g, g).match
+
+
+def test_a_golden_without_a_runner_up_compares_nothing() -> None:
+    g = Answer(text="1 2 3", tokens=(1, 2, 3), margins=(None, None, None), top2=(None, None, None))
     c = q.compare(g, answer([9, 9, 9], [0.0] * 3))
     assert c.match and c.weak and c.checked == 0
 
