@@ -216,22 +216,30 @@ class Comparison:
 
 
 def compare(golden: Answer, got: Answer, floor: float = MARGIN_FLOOR) -> Comparison:
-    """The canary verdict: the confident prefix of the golden must come back token for token.
-    At the first near tie, the answer's token must be one of the golden's two candidates there
-    (a swap of the tie is jitter; a third token is not)."""
+    """The canary verdict, walking the golden position by position while the answer follows it:
+    where the golden was confident (margin >= `floor`) its token must come back; where it was a
+    near tie, the answer's token must be one of the golden's two candidates there (a swap of
+    the tie is jitter; a third token is not). Once the answer takes the runner-up, the
+    continuation may legitimately differ and nothing after it is compared. While the answer
+    keeps the golden's own tokens the context is the same, so jitter cannot flip a confident
+    token later on either."""
     k = checked_prefix(golden, floor)
-    # A golden with fewer confident tokens (a flat, random model; a prompt it cannot continue)
-    # is reported as weak: it tells little, but the same rules hold. Its first near tie still
-    # needs one of its two candidates: garbage or other weights pick any of the vocabulary, and
-    # a swap with a third token needs a three-way tie within the stack's jitter.
+    # A golden with few confident tokens (a flat, random model; a prompt it cannot continue)
+    # is reported as weak: it tells less, but the same rules hold. Other weights or garbage
+    # pick any token of the vocabulary at a tie; jitter would need a three-way tie.
     weak = k < MIN_CHECKED
-    for i in range(k):
-        if i >= len(got.tokens) or got.tokens[i] != golden.tokens[i]:
+    for i, token in enumerate(golden.tokens):
+        if i >= len(got.tokens):
+            return Comparison(False, k, i, weak) if i < k else Comparison(True, k, None, weak)
+        if got.tokens[i] == token:
+            continue
+        margin = golden.margins[i] if i < len(golden.margins) else None
+        runner = golden.top2[i] if i < len(golden.top2) else None
+        if margin is not None and margin >= floor:
             return Comparison(False, k, i, weak)
-    if k < len(golden.tokens) and k < len(got.tokens):
-        runner = golden.top2[k] if k < len(golden.top2) else None
-        if runner is not None and got.tokens[k] not in (golden.tokens[k], runner):
-            return Comparison(False, k, k, weak)
+        if runner is None or got.tokens[i] == runner:
+            return Comparison(True, k, None, weak)  # the tie swapped (or nothing to tell)
+        return Comparison(False, k, i, weak)
     return Comparison(True, k, None, weak)
 
 

@@ -410,3 +410,14 @@ def test_spec_collapse_falls_back_only_when_configured() -> None:
     assert d.m.ctx.profile == FALLBACK
     # Stale: a collapse of the old launch is ignored.
     assert d.send(SpecCollapsed(d.launch - 1, "old")) == []
+
+
+def test_past_a_tie_the_answer_kept_it_is_still_compared() -> None:
+    # Position 1 was a near tie and the answer kept the golden's token: the context is the
+    # same, so position 2 (confident) must come back, and position 3 (a tie) needs one of
+    # its two candidates.
+    g = answer([1, 2, 3, 4, 5], [5.0, 0.1, 5.0, 0.1, 5.0], top2=[0, 8, 0, 9, 0])
+    assert not q.compare(g, answer([1, 2, 42, 4, 5], [5.0] * 5)).match
+    assert q.compare(g, answer([1, 2, 3, 9, 77], [5.0] * 5)).match
+    late = q.compare(g, answer([1, 2, 3, 42, 5], [5.0] * 5))
+    assert not late.match and late.first_diff == 3
