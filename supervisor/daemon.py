@@ -423,17 +423,13 @@ class Daemon:
 
     async def _probe(self, action: StartProbe) -> None:
         spec = self.launcher.spec  # judged against what was launched
-        # SGLang's decode counter beside the probe, never before it: a frozen server must not
-        # hold the probe (and so the hang's detection) for the counter read's own timeout.
-        counter = asyncio.ensure_future(self.quality.before_probe())
-        try:
-            done = await probing.decode(
-                self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
-            )
-        except BaseException:
-            counter.cancel()
-            raise
-        decoded_before = await _counter(counter, wait=done.result.ok)
+        # probing.decode reads SGLang's counters beside the probe (never before it: a frozen
+        # server must not delay the hang's detection); the speed reading reuses that read.
+        done = await probing.decode(
+            self.fx.http, self.cfg, spec, action.launch, action.kind, gate=self.gate
+        )
+        before = done.progress_before
+        decoded_before = None if before is None else before.realtime_decode
         if action.canary and done.result.ok:
             try:
                 mismatch = await self.quality.canary(action.launch, self.gate)
@@ -554,16 +550,3 @@ class Daemon:
 
     def status_document(self) -> dict[str, Any]:
         return self.observed.status_document()
-
-
-async def _counter(task: asyncio.Future[float | None], wait: bool) -> float | None:
-    """The decode counter read beside a probe: awaited after a probe that answered (SGLang
-    answers, so the read ends soon), dropped after one that failed (the server may hang)."""
-    if not wait:
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return None
-    try:
-        return await task
-    except Exception:
-        return None

@@ -63,7 +63,7 @@ from enum import StrEnum
 
 from supervisor.config import PRIMARY, Config
 from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
-from supervisor.probe import ProbeResult
+from supervisor.probe import ProbeResult, Progress
 
 
 class State(StrEnum):
@@ -225,6 +225,9 @@ class ProbeDone:
     busy: bool = False
     # The canary ran with the probe and differs from the golden answer: expected and got.
     canary_mismatch: str | None = None
+    # SGLang's counters as read beside the probe (probing.decode), for the quality readings;
+    # not part of the verdict.
+    progress_before: Progress | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ async def decode(
         busy = is_busy(
             result, before, after, pcfg.max_tokens, prompt_tokens=prompt_token_bound(pcfg)
         )
-    return ProbeDone(launch, kind, result, busy)
+    return ProbeDone(launch, kind, result, busy, progress_before=before)
 
 
 async def server_info(http: httpx.AsyncClient, cfg: Config) -> dict[str, Any] | None:

@@ -273,13 +273,6 @@ class QualityWatch:
 
     # ------------------------------------------------------------------ probes and gauges
 
-    async def before_probe(self) -> float | None:
-        """SGLang's decode token counter before a probe (None: not exported)."""
-        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        text = await _metrics_text(self.http, base)
-        progress = parse_progress(text) if text else None
-        return None if progress is None else progress.realtime_decode
-
     async def probe_done(
         self, done: ProbeDone, decoded_before: float | None = None, own_tokens: int = 0
     ) -> None:
