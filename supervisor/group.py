@@ -6,7 +6,7 @@ node polls its peers' `GET /group` (bearer token) every `group.poll_interval`, e
 bounded by `group.poll_timeout` and its answer by MAX_ANSWER_BYTES (a leader that lists no
 followers, as under Kubernetes, only answers); a follower also tells the leader at once
 (`POST /group/end`) when its own launch ends or when it enters `failed`. What a poll means
-is decided in `machine` (`leader_ends`, `follower_ends`, `follower_failed_ends`,
+is decided in `group_rules` (`leader_ends`, `follower_ends`, `follower_failed_ends`,
 `follower_may_join`, `group_ready`); this module only talks HTTP and hands the verdict to the
 loop as `GroupEnded`. Nothing here awaits a peer on the loop's critical
 path: the polls run in their own task and each call has a deadline.

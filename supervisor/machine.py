@@ -59,425 +59,144 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from supervisor.config import PRIMARY, Config
+from supervisor.events import (
+    Action,
+    CancelTimer,
+    CheckIntent,
+    ChildExited,
+    ChildGone,
+    CleanHost,
+    ConfigRead,
+    DrainRequested,
+    Event,
+    Exit,
+    FatalLog,
+    GpuFault,
+    GpuUnfit,
+    GroupEnded,
+    HostNotReady,
+    HostReady,
+    Launch,
+    Launched,
+    LaunchFailed,
+    NotifyReady,
+    NotifyReloaded,
+    NotifyReloading,
+    PortOpen,
+    ProbeDone,
+    ProfileChanged,
+    ReadConfig,
+    ReadyLine,
+    RecordRestart,
+    ReloadRequested,
+    RestartRequested,
+    RouterDeregister,
+    RouterRegister,
+    SetTimer,
+    SpecCollapsed,
+    Start,
+    StartProbe,
+    StopChild,
+    StopRequested,
+    TimerFired,
+    Transitioned,
+    UndrainRequested,
+    Verdict,
+)
 from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
-from supervisor.probe import ProbeResult, Progress
-
-
-class State(StrEnum):
-    STARTING = "starting"
-    CLEANING = "cleaning"
-    LAUNCHING = "launching"
-    LOADING = "loading"
-    WARMING = "warming"
-    READY = "ready"
-    DEGRADED = "degraded"
-    # Decode-verified and running, but taken out of the router on request (POST /drain):
-    # still liveness-probed, never registered, until /undrain, a restart or a stop.
-    DRAINING = "draining"
-    RESTARTING = "restarting"
-    FAILED = "failed"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Reason(StrEnum):
-    EXITED = "exited"
-    LOAD_TIMEOUT = "load_timeout"
-    READINESS_FAILED = "readiness_failed"
-    LIVENESS_FAILED = "liveness_failed"
-    FATAL_LOG = "fatal_log"
-    MANUAL = "manual"
-    RELOAD = "reload"
-    # A GPU was lost or the driver asked for a recovery action while SGLang ran.
-    GPU_FAULT = "gpu_fault"
-    # Another node of a multi-node replica ended the group's launch (docs/multinode.md).
-    GROUP = "group"
-    # quality.canary.policy gate: the launch's canary differs from the golden answer.
-    CANARY_MISMATCH = "canary_mismatch"
-    # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
-    # restart.fallback_profile.
-    SPEC_COLLAPSE = "spec_collapse"
-
-
-SERVING = frozenset({State.READY, State.DEGRADED})
-# States whose SGLang passed its decode probe and is liveness-probed.
-PROBED = frozenset({*SERVING, State.DRAINING})
-# States in which an SGLang process of the current launch may exist.
-CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *PROBED})
-# Still on the way to the first READY=1: systemd's start timeout is extended in these.
-STARTUP_STATES = frozenset(
-    {State.STARTING, State.CLEANING, State.LAUNCHING, State.LOADING, State.WARMING}
+from supervisor.group_rules import (
+    PeerView,
+    epoch_running,
+    follower_ends,
+    follower_failed_ends,
+    follower_may_join,
+    group_ready,
+    leader_ends,
+)
+from supervisor.states import (
+    CHILD_STATES,
+    EDGES,
+    PROBED,
+    SERVING,
+    STARTUP_STATES,
+    ProbeKind,
+    Reason,
+    State,
+    TimerName,
 )
 
-# Every edge the daemon may take. STOPPING is reachable from everywhere (SIGTERM at any time).
-EDGES: dict[State, frozenset[State]] = {
-    State.STARTING: frozenset({State.CLEANING}),
-    # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned, or a
-    # GPU is unfit (it needs a reset, a reboot or a replacement: fitness.py).
-    State.CLEANING: frozenset({State.LAUNCHING, State.FAILED}),
-    # LAUNCHING -> RESTARTING: the exec itself failed, or a fatal line / manual restart.
-    State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
-    State.LOADING: frozenset({State.WARMING, State.RESTARTING}),
-    State.WARMING: frozenset({State.READY, State.RESTARTING}),
-    State.READY: frozenset({State.DEGRADED, State.RESTARTING, State.DRAINING}),
-    State.DEGRADED: frozenset({State.READY, State.RESTARTING, State.DRAINING}),
-    # DRAINING -> READY / DEGRADED on /undrain (DEGRADED while liveness is still failing).
-    State.DRAINING: frozenset({State.READY, State.DEGRADED, State.RESTARTING}),
-    # RESTARTING -> CLEANING after the backoff; -> FAILED on a crash loop with no fallback left.
-    State.RESTARTING: frozenset({State.CLEANING, State.FAILED}),
-    # FAILED -> CLEANING only on reload or a manual restart.
-    State.FAILED: frozenset({State.CLEANING}),
-    State.STOPPING: frozenset({State.STOPPED}),
-    State.STOPPED: frozenset(),
-}
-for _s in State:
-    if _s not in (State.STOPPING, State.STOPPED):
-        EDGES[_s] = EDGES[_s] | {State.STOPPING}
-
-
-class ProbeKind(StrEnum):
-    READINESS = "readiness"
-    LIVENESS = "liveness"
-
-
-class TimerName(StrEnum):
-    LOAD = "load_timeout"
-    BACKOFF = "backoff"
-    LIVENESS = "liveness"
-    PROBE_RETRY = "probe_retry"
-    CLEAN_RETRY = "clean_retry"
-
-
-# ---------------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Start:
-    pass
-
-
-@dataclass(frozen=True)
-class HostReady:
-    """Leftovers removed, GPU memory free, port free."""
-
-
-@dataclass(frozen=True)
-class HostNotReady:
-    message: str
-    wedged: bool = False  # retrying cannot help (a process stuck in the driver)
-
-
-@dataclass(frozen=True)
-class GpuUnfit:
-    """Before a launch: a managed GPU needs a reset, a reboot or a replacement (fitness.py).
-    `line` names the GPU, its UUID and the action."""
-
-    line: str
-
-
-@dataclass(frozen=True)
-class GpuFault:
-    """While a launch runs: a critical NVML event, with fitness read again. `restart`: the
-    GPU is lost or the driver asks for an action; otherwise it is only reported."""
-
-    line: str
-    restart: bool
-
-
-@dataclass(frozen=True)
-class Launched:
-    launch: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class LaunchFailed:
-    launch: int
-    message: str
-
-
-@dataclass(frozen=True)
-class PortOpen:
-    launch: int
-
-
-@dataclass(frozen=True)
-class ReadyLine:
-    launch: int
-
-
-@dataclass(frozen=True)
-class FatalLog:
-    launch: int
-    line: str  # the line that proves it (a traceback's exception line)
-
-
-@dataclass(frozen=True)
-class ProbeDone:
-    launch: int
-    kind: ProbeKind
-    result: ProbeResult
-    # SGLang kept working for others meanwhile (its realtime token counter advanced with
-    # requests running or queued; probe.is_busy)
-    busy: bool = False
-    # The canary ran with the probe and differs from the golden answer: expected and got.
-    canary_mismatch: str | None = None
-    # SGLang's counters as read beside the probe (probing.decode), for the quality readings;
-    # not part of the verdict.
-    progress_before: Progress | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class ChildExited:
-    """A process of the launch died: the main process, or (`process` set) one of SGLang's own
-    workers (scheduler, detokenizer, resource tracker). Either way the server cannot serve:
-    real SGLang's main process notices a dead scheduler only after a 5 s sleep, and its HTTP
-    requests hang meanwhile (docs/sglang.md)."""
-
-    launch: int
-    exit_code: int | None
-    signal: int | None
-    process: str = ""  # e.g. "sglang::scheduler (pid 4242)"; "" for the main process
-
-
-@dataclass(frozen=True)
-class ChildGone:
-    """Every process of the launch is gone (after StopChild, or after it died by itself)."""
-
-    launch: int
-    exit_code: int | None
-    signal: int | None
-    stuck: tuple[int, ...] = ()  # pids that survive SIGKILL (D state)
-
-
-@dataclass(frozen=True)
-class TimerFired:
-    name: TimerName
-    launch: int
-
-
-@dataclass(frozen=True)
-class StopRequested:
-    signal_name: str = "SIGTERM"
-
-
-@dataclass(frozen=True)
-class RestartRequested:
-    reason: Reason  # MANUAL or RELOAD
-    back_to_primary: bool = False
-
-
-@dataclass(frozen=True)
-class ReloadRequested:
-    """SIGHUP: the config file is to be read again."""
-
-
-class Verdict(StrEnum):
-    INVALID = "invalid"  # the running configuration stays
-    UNCHANGED = "unchanged"
-    CHANGED = "changed"  # the daemon has already taken the new configuration
-
-
-@dataclass(frozen=True)
-class ConfigRead:
-    """The reloaded file, judged (supervisor/reload.py)."""
-
-    verdict: Verdict
-
-
-@dataclass(frozen=True)
-class DrainRequested:
-    """POST /drain: out of the router, SGLang keeps running (state DRAINING)."""
-
-
-@dataclass(frozen=True)
-class UndrainRequested:
-    """POST /undrain: back to READY, and so registered again."""
-
-
-@dataclass(frozen=True)
-class SpecCollapsed:
-    """Speculative decoding's mean accept length stays below quality.spec_accept_floor
-    (quality.SpecWatch); only acted on with quality.on_spec_collapse: fallback."""
-
-    launch: int
-    detail: str
-
-
-@dataclass(frozen=True)
-class GroupEnded:
-    """The multi-node group's launch (epoch) ended elsewhere or cannot go on: a peer's SGLang
-    died, the leader relaunched, or the admin channel is cut (docs/multinode.md). No node of
-    a group can rejoin a running one, so this node's launch ends too."""
-
-    launch: int
-    detail: str
-
-
-Event = (
-    Start
-    | HostReady
-    | HostNotReady
-    | GpuUnfit
-    | GpuFault
-    | Launched
-    | LaunchFailed
-    | PortOpen
-    | ReadyLine
-    | FatalLog
-    | ProbeDone
-    | ChildExited
-    | ChildGone
-    | TimerFired
-    | StopRequested
-    | RestartRequested
-    | ReloadRequested
-    | ConfigRead
-    | DrainRequested
-    | UndrainRequested
-    | GroupEnded
-    | SpecCollapsed
-)
-
-
-# --------------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Transitioned:
-    old: State
-    new: State
-    reason: str  # a Reason value or a short free-form cause ("started", "probe ok", ...)
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class CleanHost:
-    pass
-
-
-@dataclass(frozen=True)
-class Launch:
-    launch: int
-    profile: str
-
-
-@dataclass(frozen=True)
-class StartProbe:
-    launch: int
-    kind: ProbeKind
-    # The canary follows the probe, under the same probe gate. Not compared: an action list
-    # reads the same with or without it (tests of the canary read the field itself).
-    canary: bool = field(default=False, compare=False)
-
-
-@dataclass(frozen=True)
-class StopChild:
-    launch: int
-    graceful: bool  # SIGTERM and drain_timeout first; else SIGKILL of the group at once
-
-
-@dataclass(frozen=True)
-class SetTimer:
-    name: TimerName
-    delay: float
-    launch: int
-
-
-@dataclass(frozen=True)
-class CancelTimer:
-    name: TimerName
-
-
-@dataclass(frozen=True)
-class NotifyReady:
-    pass
-
-
-@dataclass(frozen=True)
-class RecordRestart:
-    reason: Reason
-    exit_code: int | None
-    signal: int | None
-    detail: str
-
-
-@dataclass(frozen=True)
-class ProfileChanged:
-    old: str
-    new: str
-
-
-@dataclass(frozen=True)
-class CheckIntent:
-    launch: int
-    probe: ProbeResult
-
-
-@dataclass(frozen=True)
-class ReadConfig:
-    pass
-
-
-@dataclass(frozen=True)
-class NotifyReloading:
-    pass
-
-
-@dataclass(frozen=True)
-class NotifyReloaded:
-    """End systemd's reload job: READY=1 once ever ready, else STATUS= only."""
-
-    ready: bool
-    note: str = ""  # appended to the status line
-
-
-@dataclass(frozen=True)
-class Exit:
-    code: int
-
-
-@dataclass(frozen=True)
-class RouterRegister:
-    """Register SGLang with the router (router.url set): emitted on every entry into READY,
-    the only state that is decode-verified and not being taken out."""
-
-    launch: int
-
-
-@dataclass(frozen=True)
-class RouterDeregister:
-    """Take SGLang out of the router and confirm it through the router's list. Emitted on
-    leaving READY for any state and before every StopChild that starts a stop; the daemon
-    must not carry out a StopChild before the deregistration it follows has settled."""
-
-    launch: int
-    reason: str
-    wait_idle: bool  # then wait for SGLang's running + queued requests to reach 0
-
-
-Action = (
-    Transitioned
-    | CleanHost
-    | Launch
-    | StartProbe
-    | StopChild
-    | SetTimer
-    | CancelTimer
-    | NotifyReady
-    | RecordRestart
-    | ProfileChanged
-    | CheckIntent
-    | ReadConfig
-    | NotifyReloading
-    | NotifyReloaded
-    | Exit
-    | RouterRegister
-    | RouterDeregister
-)
+# The import surface: every state, event, action and group verdict stays importable from here.
+__all__ = [
+    "CHILD_STATES",
+    "EDGES",
+    "EX_RESTART_BY_ORCHESTRATOR",
+    "ILLEGAL",
+    "PROBED",
+    "PROBE_RETRY_DELAY",
+    "SERVING",
+    "STARTUP_STATES",
+    "Action",
+    "CancelTimer",
+    "CheckIntent",
+    "ChildExited",
+    "ChildGone",
+    "CleanHost",
+    "ConfigRead",
+    "Context",
+    "DrainRequested",
+    "Event",
+    "Exit",
+    "FatalLog",
+    "GpuFault",
+    "GpuUnfit",
+    "GroupEnded",
+    "HostNotReady",
+    "HostReady",
+    "IllegalTransition",
+    "Launch",
+    "LaunchFailed",
+    "Launched",
+    "Machine",
+    "NotifyReady",
+    "NotifyReloaded",
+    "NotifyReloading",
+    "PeerView",
+    "PortOpen",
+    "ProbeDone",
+    "ProbeKind",
+    "ProfileChanged",
+    "ReadConfig",
+    "ReadyLine",
+    "Reason",
+    "RecordRestart",
+    "ReloadRequested",
+    "RestartRequested",
+    "RouterDeregister",
+    "RouterRegister",
+    "SetTimer",
+    "SpecCollapsed",
+    "Start",
+    "StartProbe",
+    "State",
+    "StopChild",
+    "StopRequested",
+    "TimerFired",
+    "TimerName",
+    "Transitioned",
+    "UndrainRequested",
+    "Verdict",
+    "WatchesEnd",
+    "epoch_running",
+    "extends_job",
+    "follower_ends",
+    "follower_failed_ends",
+    "follower_may_join",
+    "group_ready",
+    "leader_ends",
+    "watches_end",
+]
 
 # Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
 # back off nor count towards a crash loop. Every other reason means the server is already
@@ -1093,102 +812,3 @@ def watches_end(t: Transitioned) -> WatchesEnd:
     if t.old is State.LOADING or t.new not in (State.LAUNCHING, State.LOADING):
         return WatchesEnd(port=True, tree=t.new not in (State.RESTARTING, State.STOPPING))
     return WatchesEnd(port=False, tree=False)
-
-
-# ------------------------------------------------------------------------ multi-node group
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """One peer's GET /group, as seen by a poll; None fields when it did not answer."""
-
-    epoch: str | None  # the leader's epoch the peer runs (leader: its own current one)
-    state: str | None  # the peer's machine state
-    running: bool  # the peer has a process of that epoch's launch
-    ready: bool  # the peer's own readiness (leader: the decode probe)
-
-
-def epoch_running(state: State) -> bool:
-    """A launch of this node is under way or serving: the epoch is live here."""
-    return state in CHILD_STATES
-
-
-def leader_ends(
-    epoch: str,
-    state: State,
-    peer: PeerView | None,
-    joined: bool,
-    unreachable_s: float,
-    partition_timeout: float,
-) -> str | None:
-    """Leader: why its current epoch must end because of one follower, or None.
-
-    `joined`: the follower has been seen running this epoch. A follower that joined and then
-    shows another epoch or no process (its SGLang died, its daemon restarted) ends the epoch:
-    a node cannot rejoin a running group, and the others would block in NCCL until SGLang's
-    watchdog. A follower unreachable for `partition_timeout` ends it too (it ends its own).
-    """
-    if not epoch_running(state):
-        return None
-    if peer is not None and peer.state == State.FAILED.value:
-        # It will not launch (an unfit GPU, its own crash loop): rank 0 would wait for it at
-        # the rendezvous until load_timeout, or block in NCCL until SGLang's watchdog.
-        return f"follower failed: it cannot take part in epoch {epoch}"
-    if peer is None:
-        # One that never joined is the load timeout's business (rank 0 waits for it).
-        if joined and unreachable_s >= partition_timeout:
-            return f"follower unreachable for {unreachable_s:.1f}s"
-        return None
-    if joined and (peer.epoch != epoch or not peer.running):
-        return f"follower left epoch {epoch} (now {peer.epoch or 'none'}, state {peer.state})"
-    return None
-
-
-def follower_ends(
-    my_epoch: str | None,
-    state: State,
-    leader: PeerView | None,
-    unreachable_s: float,
-    partition_timeout: float,
-) -> str | None:
-    """Follower: why its launch must end, or None. Never a reason to relaunch alone: after
-    this the follower cleans and waits for the leader's next epoch (`follower_may_join`)."""
-    if my_epoch is None or not epoch_running(state):
-        return None
-    if leader is None:
-        if unreachable_s >= partition_timeout:
-            return f"leader unreachable for {unreachable_s:.1f}s"
-        return None
-    if leader.epoch != my_epoch:
-        return f"leader epoch {my_epoch} ended (now {leader.epoch or 'none'})"
-    if not leader.running:
-        return f"leader epoch {my_epoch} ended (leader {leader.state})"
-    return None
-
-
-def follower_failed_ends(state: State, leader: PeerView | None, told: str | None) -> str | None:
-    """Follower in `failed`: the leader's running epoch it must end (each one once), or None.
-    Whether or not it had joined: the leader's launch cannot complete without it."""
-    if state is not State.FAILED or leader is None or leader.epoch is None:
-        return None
-    if not leader.running or leader.epoch == told:
-        return None
-    return leader.epoch
-
-
-def follower_may_join(leader: PeerView | None, last_epoch: str | None) -> bool:
-    """A follower launches only into the leader's current epoch while it is still starting
-    (its rank 0 waits for the others at --dist-init-addr), and never into one it already ran."""
-    if leader is None or leader.epoch is None or leader.epoch == last_epoch:
-        return False
-    return leader.running and not leader.ready
-
-
-def group_ready(role: str, state: State, my_epoch: str | None, leader: PeerView | None) -> bool:
-    """/readyz: the leader's own decode-verified state; a follower only while its processes
-    live and the leader reports the same epoch ready."""
-    if state not in SERVING:
-        return False
-    if role != "follower":
-        return True
-    return leader is not None and leader.ready and leader.epoch == my_epoch

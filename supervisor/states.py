@@ -1,0 +1,93 @@
+"""The machine's states, the edges between them and the small enums its events and actions use.
+
+The lowest layer of the state machine (`machine`): no I/O, no imports from the supervisor.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    STARTING = "starting"
+    CLEANING = "cleaning"
+    LAUNCHING = "launching"
+    LOADING = "loading"
+    WARMING = "warming"
+    READY = "ready"
+    DEGRADED = "degraded"
+    # Decode-verified and running, but taken out of the router on request (POST /drain):
+    # still liveness-probed, never registered, until /undrain, a restart or a stop.
+    DRAINING = "draining"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Reason(StrEnum):
+    EXITED = "exited"
+    LOAD_TIMEOUT = "load_timeout"
+    READINESS_FAILED = "readiness_failed"
+    LIVENESS_FAILED = "liveness_failed"
+    FATAL_LOG = "fatal_log"
+    MANUAL = "manual"
+    RELOAD = "reload"
+    # A GPU was lost or the driver asked for a recovery action while SGLang ran.
+    GPU_FAULT = "gpu_fault"
+    # Another node of a multi-node replica ended the group's launch (docs/multinode.md).
+    GROUP = "group"
+    # quality.canary.policy gate: the launch's canary differs from the golden answer.
+    CANARY_MISMATCH = "canary_mismatch"
+    # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
+    # restart.fallback_profile.
+    SPEC_COLLAPSE = "spec_collapse"
+
+
+SERVING = frozenset({State.READY, State.DEGRADED})
+# States whose SGLang passed its decode probe and is liveness-probed.
+PROBED = frozenset({*SERVING, State.DRAINING})
+# States in which an SGLang process of the current launch may exist.
+CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *PROBED})
+# Still on the way to the first READY=1: systemd's start timeout is extended in these.
+STARTUP_STATES = frozenset(
+    {State.STARTING, State.CLEANING, State.LAUNCHING, State.LOADING, State.WARMING}
+)
+
+# Every edge the daemon may take. STOPPING is reachable from everywhere (SIGTERM at any time).
+EDGES: dict[State, frozenset[State]] = {
+    State.STARTING: frozenset({State.CLEANING}),
+    # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned, or a
+    # GPU is unfit (it needs a reset, a reboot or a replacement: fitness.py).
+    State.CLEANING: frozenset({State.LAUNCHING, State.FAILED}),
+    # LAUNCHING -> RESTARTING: the exec itself failed, or a fatal line / manual restart.
+    State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
+    State.LOADING: frozenset({State.WARMING, State.RESTARTING}),
+    State.WARMING: frozenset({State.READY, State.RESTARTING}),
+    State.READY: frozenset({State.DEGRADED, State.RESTARTING, State.DRAINING}),
+    State.DEGRADED: frozenset({State.READY, State.RESTARTING, State.DRAINING}),
+    # DRAINING -> READY / DEGRADED on /undrain (DEGRADED while liveness is still failing).
+    State.DRAINING: frozenset({State.READY, State.DEGRADED, State.RESTARTING}),
+    # RESTARTING -> CLEANING after the backoff; -> FAILED on a crash loop with no fallback left.
+    State.RESTARTING: frozenset({State.CLEANING, State.FAILED}),
+    # FAILED -> CLEANING only on reload or a manual restart.
+    State.FAILED: frozenset({State.CLEANING}),
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.STOPPED: frozenset(),
+}
+for _s in State:
+    if _s not in (State.STOPPING, State.STOPPED):
+        EDGES[_s] = EDGES[_s] | {State.STOPPING}
+
+
+class ProbeKind(StrEnum):
+    READINESS = "readiness"
+    LIVENESS = "liveness"
+
+
+class TimerName(StrEnum):
+    LOAD = "load_timeout"
+    BACKOFF = "backoff"
+    LIVENESS = "liveness"
+    PROBE_RETRY = "probe_retry"
+    CLEAN_RETRY = "clean_retry"
