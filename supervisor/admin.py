@@ -15,360 +15,45 @@ trickles (slowloris), and at `Limits.max_connections` a newcomer takes the place
 connection that has waited longest for its request head (`_Gate`), with a reserve for
 loopback clients; so neither a leak nor a slow client can take the daemon's file
 descriptors or lock out /livez, /readyz and /metrics.
+
+The application (routes, `_guard`, `Limits`) is supervisor/admin_app.py, what /status leaves
+out without the token supervisor/admin_redact.py; this module serves it behind `_Gate`, and
+the names callers and tests use are importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import ipaddress
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor import admin_token, log, sockowner, untrusted
-
-if TYPE_CHECKING:
-    from supervisor.config import Config
-    from supervisor.metrics import Metrics
-
-
-class GroupEndpoint(Protocol):
-    """A multi-node replica's coordination (supervisor/group.py)."""
-
-    def view(self) -> dict[str, Any]: ...
-    def end_requested(self, body: Any) -> dict[str, Any]: ...
-
-
-class AdminBackend(Protocol):
-    cfg: Config  # admin.token_file
-    metrics: Metrics  # admin_denied
-
-    def status_document(self) -> dict[str, Any]: ...
-    def is_ready(self) -> bool: ...
-    def loop_healthy(self) -> bool: ...
-    def render_metrics(self) -> bytes: ...
-    def request_restart(self) -> str | None: ...
-
-
-# What /drain and /undrain call: a JSON-able answer (200), or Refused (409).
-Operation = Callable[[], Awaitable[Mapping[str, Any]] | Mapping[str, Any]]
-
-
-class Refused(Exception):
-    """Raised by an Operation that cannot be done now; the message goes to the client."""
-
-
-class Access(Enum):
-    """What a route asks of a client; a handler is marked with `@access(...)` in build_app."""
-
-    OPEN = "open"  # the token is not looked at: Prometheus, load balancers, probes
-    VIEW = "view"  # a token is optional; with it the answer is whole, a wrong one is 401
-    # The token is required: every method but GET/HEAD, whatever the mark, and every route
-    # that carries no mark.
-    OPERATE = "operate"
-
-
-SAFE_METHODS = frozenset({"GET", "HEAD"})
-AUTHENTICATED = web.RequestKey("authenticated", bool)
-GATE: web.AppKey[_Gate] = web.AppKey("gate")
-
-
-@dataclass(frozen=True)
-class Limits:
-    # No endpoint takes a body; 64 KiB leaves room for a future JSON argument.
-    max_body_bytes: int = 64 * 1024
-    # Prometheus, a probe and a few operators need a handful; the rest are leaks or attacks.
-    # Well under the daemon's file descriptors, which SGLang's launch also needs.
-    max_connections: int = 64
-    # Beyond max_connections, for loopback clients only: Prometheus or a probe on the host,
-    # `kimi-serve status`, when remote clients hold every other slot with requests in progress.
-    reserve_connections: int = 8
-    # A connection must deliver a whole request head within this long of connecting or of the
-    # end of its previous request (and a body it is asked for within as long again), however
-    # it trickles: the gate's sweep closes it otherwise (so does aiohttp's keep-alive timer,
-    # set to the same value).
-    request_timeout_s: float = 10.0
-    # After an answer, unread request bytes are drained at most this long.
-    lingering_s: float = 2.0
-    max_line_size: int = 8190
-    max_field_size: int = 8190
-    max_headers: int = 64
-
-
-# Keys whose values are text SGLang printed, or may quote it: a fatal log line in `detail`,
-# an HTTP error body in a probe's `error`, the log tail. Left out of /status without a token.
-SGLANG_TEXT_KEYS = frozenset(
-    {"log_tail", "detail", "error", "last_error", "status_line", "text", "stacks", "traceback"}
-)
-
-# A process's details beyond pid, program name and whether it is ours: left out of /status
-# without a token (the reason may name the user: "runs as alice, not the daemon's uid").
-PROCESS_KEYS = frozenset({"cmdline", "user", "reason", "ppid"})
-CLEAN_TEXT_KEYS = frozenset({"message", "wedged"})
-# The canary's answers (/status.quality.canary): text the model generated, so SGLang's text.
-CANARY_TEXT_KEYS = frozenset({"expected", "got"})
-
-UNAUTHORIZED = "401: missing or wrong admin token (Authorization: Bearer <admin.token_file>)\n"
-
-
-class _Auth:
-    """The token, re-read when its file is replaced (a rotation needs no daemon restart)."""
-
-    def __init__(self, path: str, token: admin_token.Token) -> None:
-        self.path = path
-        self.token: admin_token.Token | None = token
-        self.problem: str | None = None
-
-    def check(self, presented: str) -> bool:
-        if self.token is None or admin_token.changed(self.token, self.path):
-            try:
-                self.token, self.problem = admin_token.load(self.path), None
-            except admin_token.TokenFileError as exc:
-                # Fail closed: nothing mutating until the file is usable again.
-                if exc.message != self.problem:
-                    log.get().error("admin token file unusable; refusing", error=exc.message)
-                self.token, self.problem = None, exc.message
-                return False
-        return self.token.matches(presented)
-
-
-class _DeniedLog:
-    """At most `burst` lines per `window_s` seconds: a flood of 401s must not flood the log."""
-
-    def __init__(self, burst: int = 10, window_s: float = 60.0) -> None:
-        self.burst, self.window_s = burst, window_s
-        self.window_start, self.count, self.suppressed = 0.0, 0, 0
-
-    def allow(self, now: float) -> tuple[bool, int]:
-        if now - self.window_start >= self.window_s:
-            self.window_start, self.count = now, 0
-        self.count += 1
-        if self.count > self.burst:
-            self.suppressed += 1
-            return False, 0
-        suppressed, self.suppressed = self.suppressed, 0
-        return True, suppressed
-
-
-def _presented(request: web.Request) -> str | None:
-    """The bearer token of the request; "" for an Authorization header of another form."""
-    header = request.headers.get("Authorization")
-    if header is None:
-        return None
-    scheme, _, value = header.strip().partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else ""
-
-
-def _endpoint(request: web.Request) -> str:
-    """A bounded label: the route's path, or `other` for a path no route has."""
-    route = request.match_info.route
-    resource = route.resource if route is not None else None
-    return resource.canonical if resource is not None else "other"
-
-
-def redact(doc: Any) -> Any:
-    """The /status document without SGLang's text (see SGLANG_TEXT_KEYS), at any depth, and
-    with every process on the GPUs as pid, program name and ours-or-foreign only (see
-    PROCESS_KEYS): a foreign process's command line and user are someone else's business."""
-    if isinstance(doc, dict):
-        out = {k: redact(v) for k, v in doc.items() if k not in SGLANG_TEXT_KEYS}
-        if "cmdline" in doc:
-            out = {k: v for k, v in out.items() if k not in PROCESS_KEYS}
-            out["name"] = program_name(str(doc.get("cmdline") or ""))
-        if "found" in doc:  # a cleaning report: its message and wedged lines quote them
-            out = {k: v for k, v in out.items() if k not in CLEAN_TEXT_KEYS}
-        if "got" in doc:  # the canary's expected and received answers
-            out = {k: v for k, v in out.items() if k not in CANARY_TEXT_KEYS}
-        return out
-    if isinstance(doc, list):
-        return [redact(v) for v in doc]
-    return doc
-
-
-def program_name(cmdline: str) -> str:
-    """What `ps -o comm` would say, near enough: the program's base name, no arguments."""
-    first = cmdline.split(maxsplit=1)[0] if cmdline.strip() else ""
-    return first.rsplit("/", 1)[-1][:64]
-
-
-def build_app(
-    backend: AdminBackend,
-    auth: _Auth,
-    *,
-    on_drain: Operation | None = None,
-    on_undrain: Operation | None = None,
-    limits: Limits = Limits(),
-    group: GroupEndpoint | None = None,
-) -> web.Application:
-    denied_log = _DeniedLog()
-    logger = log.get()
-
-    def deny(request: web.Request, why: str) -> web.Response:
-        endpoint = _endpoint(request)
-        backend.metrics.admin_denied.labels(endpoint).inc()
-        ok, suppressed = denied_log.allow(time.monotonic())
-        if ok:
-            logger.warning(
-                "admin request denied",
-                endpoint=endpoint,
-                method=request.method,
-                peer=request.remote,
-                why=why,
-                **({"suppressed": suppressed} if suppressed else {}),
-            )
-        return web.Response(
-            status=401,
-            text=UNAUTHORIZED,
-            headers={"WWW-Authenticate": 'Bearer realm="kimi-serve admin"'},
-        )
-
-    @web.middleware
-    async def _guard(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        gate = request.app.get(GATE)
-        if gate is None:
-            return await _checked(request, handler)
-        gate.request(request.transport, +1)
-        try:
-            return await _checked(request, handler)
-        finally:
-            gate.request(request.transport, -1)
-
-    async def _checked(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        length = request.content_length
-        if length is not None and length > limits.max_body_bytes:
-            return web.Response(status=413, text=f"413: body over {limits.max_body_bytes} bytes\n")
-        route = request.match_info.route
-        if route is None or route.resource is None:
-            access = Access.OPEN  # no such route: the 404 reveals nothing
-        else:
-            # A route that does not say otherwise needs the token, GET included.
-            access = getattr(route.handler, "access", Access.OPERATE)
-        if request.method not in SAFE_METHODS:
-            access = Access.OPERATE
-        presented = _presented(request)
-        request[AUTHENTICATED] = False
-        if access is Access.OPERATE or (access is Access.VIEW and presented is not None):
-            if not presented:
-                return deny(request, "no token" if presented is None else "not a bearer token")
-            if not auth.check(presented):
-                why = "wrong token" if auth.problem is None else "token file unusable"
-                return deny(request, why)
-            request[AUTHENTICATED] = True
-        return await handler(request)
-
-    def access(level: Access) -> Callable[[Any], Any]:
-        def mark(handler: Any) -> Any:
-            handler.access = level
-            return handler
-
-        return mark
-
-    @access(Access.OPEN)
-    async def metrics(_: web.Request) -> web.Response:
-        body = backend.render_metrics()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    @access(Access.OPEN)
-    async def readyz(_: web.Request) -> web.Response:
-        ok = backend.is_ready()
-        state = backend.status_document()["state"]
-        return web.Response(status=200 if ok else 503, text=f"{state}\n")
-
-    @access(Access.OPEN)
-    async def livez(_: web.Request) -> web.Response:
-        ok = backend.loop_healthy()
-        return web.Response(status=200 if ok else 503, text="ok\n" if ok else "stalled\n")
-
-    @access(Access.VIEW)
-    async def status(request: web.Request) -> web.Response:
-        doc = backend.status_document()
-        if not request[AUTHENTICATED]:
-            doc = redact(doc)
-            doc["redacted"] = sorted(
-                SGLANG_TEXT_KEYS | PROCESS_KEYS | CLEAN_TEXT_KEYS | CANARY_TEXT_KEYS
-            )
-        return web.json_response(doc, dumps=_dumps)
-
-    async def restart(_: web.Request) -> web.Response:
-        refused = backend.request_restart()
-        if refused:
-            return web.json_response({"accepted": False, "error": refused}, status=409)
-        return web.json_response({"accepted": True}, status=202)
-
-    def operation(name: str, op: Operation | None) -> Callable[[web.Request], Awaitable[Any]]:
-        async def run(_: web.Request) -> web.Response:
-            if op is None:
-                return web.json_response(
-                    {"accepted": False, "error": f"{name} is not supported by this daemon"},
-                    status=501,
-                )
-            try:
-                result = op()
-                if inspect.isawaitable(result):
-                    result = await result
-            except Refused as exc:
-                return web.json_response({"accepted": False, "error": str(exc)}, status=409)
-            except Exception as exc:  # one line for the client and the log, never a traceback
-                logger.error(f"admin {name} failed", error=repr(exc))
-                return web.json_response({"accepted": False, "error": repr(exc)}, status=500)
-            return web.json_response(dict(result), dumps=_dumps)
-
-        return run
-
-    # GET /group and POST /group/end carry no mark: the token is required for both, GET
-    # included (docs/multinode.md): peers on other hosts are never trusted without it.
-    async def group_view(_: web.Request) -> web.Response:
-        if group is None:
-            return web.json_response({"error": "not a multi-node replica"}, status=404)
-        return web.json_response(group.view(), dumps=_dumps)
-
-    async def group_end(request: web.Request) -> web.Response:
-        if group is None:
-            return web.json_response({"error": "not a multi-node replica"}, status=404)
-        try:
-            async with asyncio.timeout(limits.request_timeout_s):
-                raw = await request.read()
-        except TimeoutError:
-            return web.json_response({"accepted": False, "error": "body too slow"}, status=408)
-        try:
-            body = untrusted.loads(raw)
-        except ValueError:
-            return web.json_response({"accepted": False, "error": "body is not JSON"}, status=400)
-        return web.json_response(group.end_requested(body), dumps=_dumps)
-
-    app = web.Application(middlewares=[_guard], client_max_size=limits.max_body_bytes)
-    app.add_routes(
-        [
-            web.get("/metrics", metrics),
-            web.get("/readyz", readyz),
-            web.get("/livez", livez),
-            web.get("/status", status),
-            web.post("/restart", restart),
-            web.post("/drain", operation("drain", on_drain)),
-            web.post("/undrain", operation("undrain", on_undrain)),
-            web.get("/group", group_view),
-            web.post("/group/end", group_end),
-        ]
-    )
-    return app
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, default=str)
-
+from supervisor import admin_token, log, sockowner
+from supervisor.admin_app import AUTHENTICATED as AUTHENTICATED
+from supervisor.admin_app import GATE as GATE
+from supervisor.admin_app import SAFE_METHODS as SAFE_METHODS
+from supervisor.admin_app import UNAUTHORIZED as UNAUTHORIZED
+from supervisor.admin_app import Access as Access
+from supervisor.admin_app import AdminBackend as AdminBackend
+from supervisor.admin_app import GroupEndpoint as GroupEndpoint
+from supervisor.admin_app import Limits as Limits
+from supervisor.admin_app import Operation as Operation
+from supervisor.admin_app import Refused as Refused
+from supervisor.admin_app import _Auth as _Auth
+from supervisor.admin_app import _DeniedLog as _DeniedLog
+from supervisor.admin_app import build_app as build_app
+from supervisor.admin_redact import CANARY_TEXT_KEYS as CANARY_TEXT_KEYS
+from supervisor.admin_redact import CLEAN_TEXT_KEYS as CLEAN_TEXT_KEYS
+from supervisor.admin_redact import PROCESS_KEYS as PROCESS_KEYS
+from supervisor.admin_redact import SGLANG_TEXT_KEYS as SGLANG_TEXT_KEYS
+from supervisor.admin_redact import program_name as program_name
+from supervisor.admin_redact import redact as redact
 
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 44\r\n"

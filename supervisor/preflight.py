@@ -20,25 +20,29 @@ daemon retries with backoff. docs/preflight.md explains every check and what to 
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import importlib
 import os
-import re
-import shutil
-import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
 
-import psutil
-
-from supervisor import caches
 from supervisor.command import LaunchSpec, build
-from supervisor.config import PRIMARY, ArgValue, Config
+from supervisor.config import PRIMARY, Config
 from supervisor.exits import EX_CONFIG, EXIT_HOST
+from supervisor.preflight_host import GpuCountUnavailable as GpuCountUnavailable
+from supervisor.preflight_host import check_caches as check_caches
+from supervisor.preflight_host import check_gpus as check_gpus
+from supervisor.preflight_host import check_interpreter as check_interpreter
+from supervisor.preflight_host import check_model_path as check_model_path
+from supervisor.preflight_host import check_port as check_port
+from supervisor.preflight_host import gpus_needed as gpus_needed
+from supervisor.preflight_result import CONFIG as CONFIG
+from supervisor.preflight_result import HOST as HOST
+from supervisor.preflight_result import Check as Check
+from supervisor.preflight_result import CheckKind as CheckKind
+from supervisor.preflight_result import exit_code as exit_code
+from supervisor.preflight_result import failures as failures
+from supervisor.preflight_result import summary as summary
 from supervisor.sglang import (
     KNOWN_ENV,
     PARSER_TIMEOUT,
@@ -56,80 +60,8 @@ from supervisor.sglang import (
     sglang_version,
 )
 
-CONFIG: Literal["config"] = "config"
-HOST: Literal["host"] = "host"
-CheckKind = Literal["config", "host"]
-
-
 # --------------------------------------------------------------------------------------------
-# Results
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Check:
-    """One preflight finding. `ok` with `warning` is a pass worth reading (a deprecated flag);
-    `ok` with `skipped` did not apply here (not SGLang, GPUs not managed)."""
-
-    name: str
-    ok: bool
-    kind: CheckKind
-    message: str
-    hint: str = ""
-    warning: bool = False
-    skipped: bool = False
-
-    @property
-    def status(self) -> str:
-        if not self.ok:
-            return "FAIL"
-        if self.skipped:
-            return "skip"
-        return "WARN" if self.warning else "ok"
-
-    def render(self) -> str:
-        line = f"{self.status:<5} {self.name:<20} {self.message}"
-        if self.hint:
-            line += "".join(f"\n{'':27}{part}" for part in self.hint.splitlines())
-        return line
-
-    def one_line(self) -> str:
-        """Name, message and hint on one line (a log line, STATUS=)."""
-        text = f"{self.name}: {self.message}"
-        if self.hint:
-            text += " | hint: " + " ".join(self.hint.split())
-        return text
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "status": self.status}
-
-
-def failures(checks: Iterable[Check], kind: CheckKind | None = None) -> list[Check]:
-    return [c for c in checks if not c.ok and (kind is None or c.kind == kind)]
-
-
-def exit_code(checks: Sequence[Check]) -> int:
-    """0 all passed; 78 any config problem (a restart will not fix it); else 1 (host)."""
-    if failures(checks, CONFIG):
-        return EX_CONFIG
-    return EXIT_HOST if failures(checks) else 0
-
-
-def summary(checks: Sequence[Check], limit: int = 400) -> str:
-    """One line for systemd's STATUS= and the log: the first failure (config ones first)."""
-    failed = sorted(failures(checks), key=lambda c: c.kind != CONFIG)
-    if not failed:
-        warned = [c for c in checks if c.warning]
-        extra = f", {len(warned)} warning(s): {warned[0].name}" if warned else ""
-        return f"preflight ok ({len(checks)} checks{extra})"
-    first = failed[0]
-    more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
-    text = " ".join(f"preflight {first.kind} problem{more}: {first.one_line()}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------------------------
-# The checks
+# The checks (those of the host alone: supervisor/preflight_host.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -161,230 +93,6 @@ def _at(cfg: Config, key: str) -> str:
     """`key in file:line`, as a config error names a key (the line where the file has one)."""
     line = cfg.key_lines.get(key)
     return f"{key} in {cfg.path}:{line}" if line else f"{key} in {cfg.path}"
-
-
-def check_interpreter(python: str) -> Check:
-    name = "interpreter"
-    if os.sep not in python:
-        found = shutil.which(python)
-        if found is None:
-            return Check(
-                name,
-                False,
-                CONFIG,
-                f"sglang.python {python!r} is not on PATH",
-                "set sglang.python to the absolute path of SGLang's virtualenv interpreter",
-            )
-        python = found
-    if not os.path.lexists(python):
-        return Check(
-            name,
-            False,
-            CONFIG,
-            f"sglang.python {python} does not exist",
-            "set sglang.python to the interpreter of the virtualenv SGLang is installed in",
-        )
-    if not os.path.exists(python):
-        return Check(
-            name,
-            False,
-            CONFIG,
-            f"sglang.python {python} is a broken link (to {os.readlink(python)})",
-            "the Python the virtualenv was made from is gone (an OS upgrade?); recreate the "
-            "virtualenv and reinstall SGLang",
-        )
-    if not os.path.isfile(python) or not os.access(python, os.X_OK):
-        return Check(name, False, CONFIG, f"sglang.python {python} is not an executable file")
-    return Check(name, True, CONFIG, python)
-
-
-def check_port(host: str, port: int) -> Check:
-    """Bind host:port the way SGLang's HTTP server will (SO_REUSEADDR, as uvicorn sets it, so
-    a socket in TIME_WAIT is not mistaken for a busy port)."""
-    name, where = "port", f"{host}:{port}"
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return Check(
-            name,
-            False,
-            HOST,
-            f"cannot resolve sglang.host {host!r}: {exc.strerror}",
-            "use an IP address, or fix name resolution on this host",
-        )
-    family, kind, proto, _, sockaddr = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return Check(
-                name,
-                False,
-                HOST,
-                f"{where} is in use{_holder(port)}",
-                "SGLang binds its port only after the model has loaded, so this would fail the "
-                "launch ten minutes in. A leftover SGLang? `kimi-serve gpu-clean --dry-run`; "
-                f"or `ss -ltnp 'sport = :{port}'`",
-            )
-        if exc.errno == errno.EACCES:
-            return Check(
-                name,
-                False,
-                CONFIG,
-                f"not allowed to bind {where}: {exc.strerror}",
-                "ports below 1024 need privileges; pick another sglang.port",
-            )
-        if exc.errno == errno.EADDRNOTAVAIL:
-            return Check(
-                name,
-                False,
-                HOST,
-                f"{host} is not an address of this host (yet)",
-                "an interface that is not up yet, or a wrong sglang.host",
-            )
-        return Check(name, False, HOST, f"cannot bind {where}: {exc.strerror or exc}")
-    return Check(name, True, HOST, f"{where} is free")
-
-
-def _holder(port: int) -> str:
-    """' (held by pid N: name)' where psutil can see the listener; '' otherwise."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return ""
-    for conn in conns:
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            if conn.pid is None:
-                return ""
-            try:
-                proc = psutil.Process(conn.pid)
-                what = " ".join(proc.cmdline()[:4]) or proc.name()
-            except psutil.Error:
-                what = "?"
-            return f" (held by pid {conn.pid}: {what})"
-    return ""
-
-
-# A hub repo id ("org/name"): SGLang downloads it at load time; nothing local to check.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def check_model_path(name: str, path: str, key: str, workdir: str | None = None) -> Check:
-    """A model directory must exist and hold config.json.
-
-    Missing, or an empty directory, is a host problem: the usual cause is a network mount not
-    up yet (an unmounted mount point is an empty directory), which clears by itself. A directory
-    with files but no config.json, or a file, is a config problem: the path points at the wrong
-    place, and no restart will fix that.
-    """
-    local = Path(path).expanduser()
-    if not local.is_absolute() and workdir:
-        local = Path(workdir) / local
-    if not local.exists():
-        if not path.startswith((".", "/", "~")) and _REPO_ID.match(path):
-            return Check(
-                name,
-                True,
-                HOST,
-                f"{key} {path!r} is not a local path; taken as a hub repo id (SGLang downloads "
-                "it at load time)",
-                skipped=True,
-            )
-        return Check(
-            name,
-            False,
-            HOST,
-            f"{key} {local} does not exist",
-            "a network mount not up yet clears by itself; otherwise fix the path",
-        )
-    if not local.is_dir():
-        return Check(
-            name,
-            False,
-            CONFIG,
-            f"{key} {local} is a file, not a model directory",
-            "point it at the directory that holds config.json and the weights",
-        )
-    try:
-        empty = not any(local.iterdir())
-        has_config = (local / "config.json").is_file()
-    except PermissionError:
-        return Check(
-            name,
-            False,
-            CONFIG,
-            f"{key} {local} is not readable by this user",
-            "SGLang runs as the daemon's user; give it read access",
-        )
-    if empty:
-        return Check(
-            name,
-            False,
-            HOST,
-            f"{key} {local} is empty",
-            "an unmounted mount point? it clears once the mount is up",
-        )
-    if not has_config:
-        return Check(
-            name,
-            False,
-            CONFIG,
-            f"{key} {local} has no config.json",
-            "point it at the model directory itself (the one holding config.json), not a parent",
-        )
-    return Check(name, True, HOST, f"{local} (config.json present)")
-
-
-def _int_arg(args: Mapping[str, ArgValue], *names: str) -> int | None:
-    for name in names:
-        value = args.get(name)
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and value.isdigit():
-            return int(value)
-    return None
-
-
-def gpus_needed(spec: LaunchSpec) -> int:
-    """GPUs this host must have for one launch: tp x pp, split over --nnodes hosts."""
-    pp = _int_arg(spec.args, "pp-size", "pipeline-parallel-size", "pp") or 1
-    nnodes = _int_arg(spec.args, "nnodes") or 1
-    return max(1, -(-(spec.tp_size * pp) // nnodes))
-
-
-class GpuCountUnavailable(Exception):
-    """Nothing can count GPUs here; the GPU check is skipped with this message."""
-
-
-def check_gpus(
-    cfg: Config, specs: Sequence[LaunchSpec], gpu_count: Callable[[], int] | None
-) -> Check:
-    name = "gpus"
-    if not cfg.gpus.manage:
-        return Check(name, True, HOST, "not checked: gpus.manage is false", skipped=True)
-    if gpu_count is None:
-        return Check(name, True, HOST, "not checked: no GPU count available", skipped=True)
-    need = max(gpus_needed(s) for s in specs)
-    which = max(specs, key=gpus_needed).profile
-    try:
-        have = gpu_count()
-    except GpuCountUnavailable as exc:
-        return Check(name, True, HOST, f"not checked: {exc}", skipped=True)
-    except Exception as exc:
-        return Check(name, False, HOST, f"cannot count GPUs: {exc}")
-    if have < need:
-        return Check(
-            name,
-            False,
-            HOST,
-            f"{have} GPU(s) visible, profile {which} needs {need} (tp-size x pp-size)",
-            "a GPU fallen off the bus or a driver reload shows in `nvidia-smi`; check gpus.devices",
-        )
-    return Check(name, True, HOST, f"{have} GPU(s) visible, {need} needed")
 
 
 def _parser_checks(cfg: Config, specs: Sequence[LaunchSpec], report: ParserReport) -> list[Check]:
@@ -547,20 +255,6 @@ def run_checks(
     checks.append(check_port(sg.host, sg.port))
     checks.append(check_caches(cfg))
     return checks
-
-
-def check_caches(cfg: Config) -> Check:
-    """SGLang's compile caches (supervisor/caches.py): a warning, never a failure; a lost
-    cache costs compile time on the next start, not correctness."""
-    found = caches.cfg_problems(cfg)
-    if not found:
-        return Check(
-            "caches", True, HOST, f"{cfg.warm.cache_dir}: present or creatable, persistent"
-        )
-    hint = "\n".join(
-        [*found[1:], "set warm.cache_dir, or the sglang.env entry named (docs/systemd.md)"]
-    )
-    return Check("caches", True, HOST, found[0], hint, warning=True)
 
 
 def host_checks(
