@@ -64,19 +64,19 @@ def build_env() -> SGLangEnv:
     """The built environment (tools/sglang-env; SGLANG_ENV_DIR chooses where), or a skip."""
     if os.environ.get("KIMI_SERVE_SKIP_SGLANG_ENV") == "1":
         pytest.skip("KIMI_SERVE_SKIP_SGLANG_ENV=1: real SGLang is not available here")
-    out = []
-    for flag in ([], ["--model"]):
-        proc = subprocess.run(
-            [str(REPO_ROOT / "tools" / "sglang-env"), *flag],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT,
-            check=False,
-        )
-        if proc.returncode != 0:
-            pytest.fail(f"tools/sglang-env failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        out.append(proc.stdout.strip().splitlines()[-1])
-    return SGLangEnv(python=out[0], model=out[1])
+    tool = str(REPO_ROOT / "tools" / "sglang-env")
+    return SGLangEnv(
+        python=_tool_output("sglang-env", [tool]),
+        model=_tool_output("sglang-env", [tool, "--model"]),
+    )
+
+
+def _tool_output(name: str, argv: list[str]) -> str:
+    """The last line tools/`name` printed (a path), or the test fails with its stderr."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"tools/{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
 
 
 @functools.cache
@@ -85,16 +85,7 @@ def canary_model(python: str) -> str:
     tools/make-canary-model with the environment's `python` (built if missing or stale, about
     30 s on two cores; a stamped, verified build answers at once)."""
     out = Path(python).absolute().parents[1] / "canary-model"  # <env>/bin/python: no resolve()
-    proc = subprocess.run(
-        [python, str(CANARY_MAKER), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"tools/make-canary-model failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc.stdout.strip().splitlines()[-1]
+    return _tool_output("make-canary-model", [python, str(CANARY_MAKER), str(out)])
 
 
 def canary_env(sgl: SGLangEnv) -> SGLangEnv:
