@@ -448,17 +448,23 @@ def parse_progress(text: str) -> Progress | None:
     return Progress(generation, running, realtime, queued, decode)
 
 
-async def read_progress(
+async def metrics_text(
     client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
-) -> Progress | None:
+) -> str | None:
+    """SGLang's /metrics exposition, or None when it does not answer 200 within `timeout`."""
     try:
         async with asyncio.timeout(timeout):
             r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
     except (TimeoutError, httpx.HTTPError, OSError):
         return None
-    if r.status_code != 200:
-        return None
-    return parse_progress(r.text)
+    return r.text if r.status_code == 200 else None
+
+
+async def read_progress(
+    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
+) -> Progress | None:
+    text = await metrics_text(client, base_url, timeout)
+    return None if text is None else parse_progress(text)
 
 
 # What the probe itself adds to the realtime counter besides its generated tokens: its prompt,

@@ -28,6 +28,7 @@ from supervisor.probe import (
     MAX_BODY_BYTES,
     ProbeGate,
     abort_request,
+    metrics_text,
     new_rid,
     parse_progress,
     server_url,
@@ -287,7 +288,7 @@ class QualityWatch:
         meta = done.result.meta
         cur.probes += 1
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        text = await _metrics_text(self.http, base)
+        text = await metrics_text(self.http, base)
         running = parse_gauge(text, "sglang:num_running_reqs") if text else None
         progress = parse_progress(text) if text else None
         decoded_after = None if progress is None else progress.realtime_decode
@@ -372,12 +373,3 @@ class QualityWatch:
             },
             "golden_key": cur.key,
         }
-
-
-async def _metrics_text(http: httpx.AsyncClient, base: str) -> str | None:
-    try:
-        async with asyncio.timeout(2.0):
-            r = await http.get(base + "/metrics", timeout=2.0)
-    except (TimeoutError, httpx.HTTPError, OSError):
-        return None
-    return r.text if r.status_code == 200 else None
