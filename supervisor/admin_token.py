@@ -121,7 +121,7 @@ def load(path: str) -> Token:
     made or changed it (`resolve`), as a Kubernetes Secret volume mounts its keys
     (`token -> ..data/token`, `..data -> ..<timestamp>`); the checks apply to the file at the
     end of the chain."""
-    f, st, where = _open_resolved(path, frozenset({0, os.geteuid()}), "admin token file")
+    f, st, where = open_resolved(path, frozenset({0, os.geteuid()}), "admin token file")
     with f:
         problem = _permission_problem(st)
         if problem:
@@ -135,7 +135,7 @@ def load(path: str) -> Token:
     return Token(_parse(path, data), _identity(st))
 
 
-def _open_resolved(
+def open_resolved(
     path: str, trusted: frozenset[int], what: str
 ) -> tuple[BinaryIO, os.stat_result, str]:
     """The file at the end of `path`'s chain (`resolve`), open, with its fstat and a name for
@@ -354,7 +354,7 @@ def read_secret(path: str, what: str) -> str:
     the token file; a regular file of root or the service user, one hard link, nothing for
     others and no write for the group (root:kimi 0640 is fine). Its first line, stripped."""
     trusted = frozenset({0, os.geteuid()})
-    f, st, where = _open_resolved(path, trusted, what)
+    f, st, where = open_resolved(path, trusted, what)
     with f:
         problem = _permission_problem(st, trusted, group_read=True)
         if problem:

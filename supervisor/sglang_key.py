@@ -19,6 +19,7 @@ from collections.abc import Generator
 import httpx
 import yaml
 
+from supervisor import admin_token
 from supervisor.command import secrets_path
 from supervisor.config import Config, key_file_problem
 
@@ -34,12 +35,16 @@ def read(path: str, *, owners: tuple[int, ...] | None = None) -> str:
     but its owner and group can read, nobody else can write, owned by `owners`: default the
     service user, i.e. us, or root). Raises KeyFileError naming the problem."""
     allowed = (os.geteuid(), 0) if owners is None else owners
+    # Links and directories walked as for the admin token (admin_token.resolve): root's CLI
+    # must not follow a link the service user planted to a file of root's choosing.
+    trusted = frozenset({os.geteuid(), 0, *allowed}) | (
+        admin_token.service_uids(path) if owners == () else frozenset()
+    )
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise KeyFileError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+        f, st, _ = admin_token.open_resolved(path, trusted, "sglang.api_key_file")
+    except admin_token.TokenFileError as exc:
+        raise KeyFileError(str(exc)) from None
+    with f:
         problem = key_file_problem(st)
         if not problem and allowed and st.st_uid not in allowed:
             problem = f"belongs to uid {st.st_uid}: only the service user or root may own it"

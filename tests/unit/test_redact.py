@@ -178,3 +178,16 @@ def test_check_warns_about_a_key_on_the_command_line(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "sglang.args api-key (profile primary) is on SGLang's command line" in done.stderr
     assert "sglang.api_key_file" in done.stderr and KEY not in done.stdout + done.stderr
+
+
+def test_a_key_link_another_user_planted_is_not_followed(tmp_path: Path) -> None:
+    """Root's CLI reads the key to probe SGLang: a link of another user's making must not
+    lead it to a file of that user's choosing (the admin token's link rules)."""
+    target = tmp_path / "roots-secret"
+    target.write_text("not-the-key\n")
+    target.chmod(0o600)
+    link = tmp_path / "key"
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(sglang_key.KeyFileError, match="link"):
+        sglang_key.read(str(link), owners=())
