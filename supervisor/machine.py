@@ -57,10 +57,9 @@ SpecCollapsed fallback .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from supervisor.config import PRIMARY, Config
+from supervisor.config import PRIMARY
 from supervisor.events import (
     Action,
     CancelTimer,
@@ -115,6 +114,18 @@ from supervisor.group_rules import (
     group_ready,
     leader_ends,
 )
+from supervisor.machine_context import (
+    _REQUESTED as _REQUESTED,
+)
+from supervisor.machine_context import (
+    ILLEGAL,
+    PROBE_RETRY_DELAY,
+    Context,
+    IllegalTransition,
+    _how,
+)
+from supervisor.machine_drain import DrainRules
+from supervisor.machine_probes import ProbeRules
 from supervisor.states import (
     CHILD_STATES,
     EDGES,
@@ -198,73 +209,11 @@ __all__ = [
     "watches_end",
 ]
 
-# Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
-# back off nor count towards a crash loop. Every other reason means the server is already
-# broken, so it is killed at once: SGLang's SIGTERM drain waits for in-flight requests with no
-# time limit (docs/sglang.md, "Shutdown").
-_REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
-PROBE_RETRY_DELAY = 0.25
-ILLEGAL = "illegal transition"
 
-
-def _how(exit_code: int | None, sig: int | None) -> str:
-    return f"killed by signal {sig}" if sig else f"exit code {exit_code}"
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-@dataclass
-class Context:
-    """All the machine knows. One object, so no decision hides in a flag elsewhere."""
-
-    state: State = State.STARTING
-    since: float = 0.0
-    profile: str = PRIMARY
-    launch: int = 0
-    child: bool = False  # a process of `launch` may exist (from Launch until ChildGone)
-    launched_at: float | None = None
-    ready_at: float | None = None
-    probe_in_flight: bool = False
-    liveness_failures: int = 0
-    restarts: deque[float] = field(default_factory=deque)  # times, on the current profile
-    backoff: float = 0.0
-    pending: Reason | None = None  # why the current child is being stopped
-    pending_detail: str = ""
-    host_message: str = ""  # why cleaning cannot finish, for STATUS
-    host_retries: int = 0
-    ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
-    canary_at: float | None = None  # when the launch's last canary was asked for
-    # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
-    handing_over: bool = False
-
-
-class Machine:
-    def __init__(self, cfg: Config, now: float) -> None:
-        self.cfg = cfg
-        self.ctx = Context(since=now, backoff=cfg.restart.backoff_initial)
-
-    # ------------------------------------------------------------------ helpers
-
-    @property
-    def state(self) -> State:
-        return self.ctx.state
-
-    def _to(self, new: State, reason: str, now: float, detail: str = "") -> list[Action]:
-        old = self.ctx.state
-        if new not in EDGES[old]:
-            raise IllegalTransition(f"{ILLEGAL}: {old} -> {new} ({reason})")
-        self.ctx.state = new
-        self.ctx.since = now
-        return [Transitioned(old, new, reason, detail)]
-
-    def _cancel_launch_timers(self) -> list[Action]:
-        names = (TimerName.LOAD, TimerName.LIVENESS, TimerName.PROBE_RETRY)
-        return [CancelTimer(n) for n in names]
-
-    def _current(self, launch: int) -> bool:
-        return launch == self.ctx.launch
+class Machine(ProbeRules, DrainRules):
+    """Every decision, by concern: the core and `Context` (machine_context), the restarts
+    (machine_restarts), the probes (machine_probes), drain and router (machine_drain), and here
+    the entry point and the rest of the events."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -407,108 +356,6 @@ class Machine:
             Launch(ctx.launch, ctx.profile),
         ]
 
-    def _server_up(self, event: PortOpen | ReadyLine, now: float) -> list[Action]:
-        ctx = self.ctx
-        actions: list[Action] = []
-        if ctx.state is State.LOADING:
-            cause = "ready_line" if isinstance(event, ReadyLine) else "port_open"
-            actions += self._to(State.WARMING, cause, now)
-        elif ctx.state is not State.WARMING:
-            return []
-        if self.cfg.group.role == "follower":
-            # A follower's port is SGLang's dummy health server, which answers 200 whatever
-            # the schedulers do (docs/sglang.md, "Multi-node"): nothing there to probe. Its
-            # schedulers are loaded once it listens; the replica's decode is the leader's.
-            ctx.ready_at = now
-            ctx.ever_ready = True
-            return [
-                *actions,
-                *self._to(State.READY, "follower_up", now, "schedulers up; decode on the leader"),
-                CancelTimer(TimerName.LOAD),
-                NotifyReady(),
-            ]
-        if ctx.probe_in_flight:
-            return actions
-        ctx.probe_in_flight = True
-        return [
-            *actions,
-            CancelTimer(TimerName.PROBE_RETRY),
-            StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on),
-        ]
-
-    @property
-    def _canary_on(self) -> bool:
-        return self.cfg.quality.canary.enabled
-
-    def _spec_collapsed(self, event: SpecCollapsed, now: float) -> list[Action]:
-        """TensorRT-LLM turns speculation off below a configured acceptance; here the launch
-        moves to restart.fallback_profile (a profile without speculation). Back to the primary
-        on a reload (docs/quality.md)."""
-        ctx, fallback = self.ctx, self.cfg.restart.fallback_profile
-        if self.cfg.quality.on_spec_collapse != "fallback" or not fallback:
-            return []
-        if ctx.profile == fallback:
-            return []  # already there: reported only
-        old, ctx.profile = ctx.profile, fallback
-        ctx.restarts.clear()
-        return [
-            ProfileChanged(old, fallback),
-            *self._restart(Reason.SPEC_COLLAPSE, now, event.detail),
-        ]
-
-    def _probe_done(self, event: ProbeDone, now: float) -> list[Action]:
-        ctx = self.ctx
-        r = event.result
-        if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
-            ccfg = self.cfg.quality.canary
-            if r.ok and event.canary_mismatch and ccfg.policy == "gate":
-                # Never ready on a wrong answer; counts towards the crash loop like any other
-                # unrequested restart, so the fallback profile is tried.
-                return self._restart(Reason.CANARY_MISMATCH, now, event.canary_mismatch)
-            if r.ok:
-                ctx.ready_at = now
-                ctx.ever_ready = True
-                ctx.canary_at = now
-                return [
-                    *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
-                    CancelTimer(TimerName.LOAD),
-                    NotifyReady(),
-                    SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch),
-                    CheckIntent(ctx.launch, r),
-                ]
-            if r.not_up or event.busy:
-                # Not serving yet (503, refused) or busy: try again until load_timeout.
-                return [SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, ctx.launch)]
-            return self._restart(Reason.READINESS_FAILED, now, r.error or r.reason)
-        if event.kind is ProbeKind.LIVENESS and ctx.state in PROBED:
-            actions: list[Action] = [
-                SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch)
-            ]
-            if r.ok and event.canary_mismatch:
-                # Serving already: reported (quality.degraded), never a restart by itself.
-                why = event.canary_mismatch
-                actions = [
-                    Transitioned(ctx.state, ctx.state, Reason.CANARY_MISMATCH, why),
-                    *actions,
-                ]
-            if r.ok:
-                ctx.liveness_failures = 0
-                if ctx.state is State.DEGRADED:
-                    actions = [*self._to(State.READY, "probe_ok", now), *actions]
-                return actions
-            if event.busy:
-                # A busy server is not a failed one: generation advanced while we waited.
-                return actions
-            ctx.liveness_failures += 1
-            threshold = self.cfg.liveness.failure_threshold
-            detail = f"{r.error or r.reason} ({ctx.liveness_failures}/{threshold})"
-            if ctx.liveness_failures >= threshold:
-                return self._restart(Reason.LIVENESS_FAILED, now, detail)
-            if ctx.state is State.READY:
-                return [*self._to(State.DEGRADED, "probe_failed", now, detail), *actions]
-            return [Transitioned(ctx.state, ctx.state, "probe_failed", detail), *actions]
-        return []
-
     def _timer(self, event: TimerFired, now: float) -> list[Action]:
         ctx = self.ctx
         match event.name:
@@ -592,199 +439,6 @@ class Machine:
         ctx.pending = Reason.FATAL_LOG
         ctx.pending_detail = event.line
         return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
-
-    # ------------------------------------------------------------------ drain and router
-
-    def drain_refusal(self) -> str | None:
-        """Why POST /drain cannot be honoured now (None: it can, or it is already draining)."""
-        if self.ctx.state in PROBED:
-            return None
-        return f"nothing to drain: SGLang is not serving (state {self.ctx.state})"
-
-    def undrain_refusal(self) -> str | None:
-        if self.ctx.state is State.DRAINING:
-            return None
-        return f"not draining (state {self.ctx.state})"
-
-    def _drain(self, now: float) -> list[Action]:
-        if self.ctx.state not in SERVING:
-            return []  # already draining, or nothing serves: see drain_refusal()
-        return self._to(State.DRAINING, "drain", now, "requested")
-
-    def _undrain(self, now: float) -> list[Action]:
-        ctx = self.ctx
-        if ctx.state is not State.DRAINING:
-            return []
-        if ctx.liveness_failures:
-            threshold = self.cfg.liveness.failure_threshold
-            detail = f"liveness failing ({ctx.liveness_failures}/{threshold})"
-            return self._to(State.DEGRADED, "undrain", now, detail)
-        return self._to(State.READY, "undrain", now)
-
-    def _with_router(self, before: State, actions: list[Action]) -> list[Action]:
-        """With router.url set: register on entering READY; deregister on leaving it, and
-        before every stop of SGLang (whatever the reason), ahead of its StopChild."""
-        if not self.cfg.router.enabled or self.cfg.group.role == "follower":
-            # Only the leader (rank 0) serves requests; a follower is never registered.
-            return actions
-        out: list[Action] = []
-        deregistered = False
-        for a in actions:
-            if isinstance(a, StopChild) and before is not State.STOPPING and not deregistered:
-                # A stop of a serving SGLang waits for its requests only when it is graceful;
-                # a broken one is killed at once (see _REQUESTED).
-                idle = a.graceful and before in PROBED
-                why = self.ctx.pending.value if self.ctx.pending else "stop"
-                out.append(RouterDeregister(a.launch, why, wait_idle=idle))
-                deregistered = True
-            out.append(a)
-            if isinstance(a, Transitioned) and a.old is not a.new:
-                if a.new is State.READY:
-                    out.append(RouterRegister(self.ctx.launch))
-                elif a.old is State.READY and a.new in (State.DEGRADED, State.DRAINING):
-                    drain = a.new is State.DRAINING
-                    out.append(RouterDeregister(self.ctx.launch, a.new.value, wait_idle=drain))
-                    deregistered = a.new is State.DEGRADED
-                elif a.old is State.DEGRADED and a.new is State.DRAINING:
-                    out.append(RouterDeregister(self.ctx.launch, "drain", wait_idle=True))
-        return out
-
-    # ------------------------------------------------------------------ restarts
-
-    def _restart(
-        self,
-        reason: Reason,
-        now: float,
-        detail: str,
-        exit_code: int | None = None,
-        sig: int | None = None,
-    ) -> list[Action]:
-        ctx = self.ctx
-        if ctx.state in (State.RESTARTING, State.STOPPING, State.STOPPED, State.FAILED):
-            return []
-        ctx.pending = reason
-        ctx.pending_detail = detail
-        ctx.probe_in_flight = False
-        actions: list[Action] = [
-            *self._to(State.RESTARTING, reason, now, detail),
-            *self._cancel_launch_timers(),
-        ]
-        if ctx.child:
-            # A collapse of speculation still serves right: drain it like a requested restart.
-            graceful = reason in _REQUESTED or reason is Reason.SPEC_COLLAPSE
-            return [*actions, StopChild(ctx.launch, graceful=graceful)]
-        return [*actions, *self._after_gone(exit_code, sig, now)]
-
-    def _child_gone(self, event: ChildGone, now: float) -> list[Action]:
-        ctx = self.ctx
-        ctx.child = False
-        if event.stuck:
-            # SIGKILL cannot reach a process stuck in the driver: its GPU memory stays held,
-            # so a relaunch would only fail. Say so and stop trying.
-            pids = ", ".join(str(p) for p in event.stuck)
-            detail = f"process {pids} survives SIGKILL (stuck in the kernel, D state)"
-            if ctx.state is State.STOPPING:
-                return [*self._to(State.STOPPED, "child_stuck", now, detail), Exit(1)]
-            if ctx.state is State.RESTARTING:
-                reason = ctx.pending or Reason.EXITED
-                ctx.pending = None
-                return [
-                    RecordRestart(reason, event.exit_code, event.signal, ctx.pending_detail),
-                    *self._to(State.FAILED, "process_stuck", now, detail),
-                ]
-        if ctx.state is State.STOPPING:
-            return [*self._to(State.STOPPED, "child_stopped", now), Exit(0)]
-        if ctx.state is State.RESTARTING:
-            return self._after_gone(event.exit_code, event.signal, now)
-        if ctx.state in CHILD_STATES:
-            # Gone without being stopped: the same as an exit of its own.
-            return self._restart(
-                Reason.EXITED,
-                now,
-                _how(event.exit_code, event.signal),
-                event.exit_code,
-                event.signal,
-            )
-        return []
-
-    def _next_backoff(self) -> float:
-        delay = self.ctx.backoff
-        self.ctx.backoff = min(
-            max(delay * 2, self.cfg.restart.backoff_initial), self.cfg.restart.backoff_max
-        )
-        return delay
-
-    def _after_gone(self, exit_code: int | None, sig: int | None, now: float) -> list[Action]:
-        """The old launch is fully gone: record why, then back off, fall back, or give up."""
-        ctx = self.ctx
-        reason = ctx.pending or Reason.EXITED
-        rcfg = self.cfg.restart
-        actions: list[Action] = [RecordRestart(reason, exit_code, sig, ctx.pending_detail)]
-        ctx.pending = None
-        if reason in _REQUESTED:
-            return [*actions, *self._to(State.CLEANING, reason, now), CleanHost()]
-        if rcfg.mode == "exit":
-            return [*actions, *self._hand_over(reason, now)]
-        # A launch that served for `stable_after` earns a fresh backoff.
-        if ctx.ready_at is not None and now - ctx.ready_at >= rcfg.stable_after:
-            ctx.backoff = rcfg.backoff_initial
-        ctx.restarts.append(now)
-        while ctx.restarts and now - ctx.restarts[0] > rcfg.crash_loop.window:
-            ctx.restarts.popleft()
-        if len(ctx.restarts) >= rcfg.crash_loop.max_restarts:
-            fallback = rcfg.fallback_profile
-            if fallback and ctx.profile != fallback:
-                actions.append(ProfileChanged(ctx.profile, fallback))
-                ctx.profile = fallback
-                ctx.restarts.clear()
-                ctx.backoff = rcfg.backoff_initial
-            else:
-                n = rcfg.crash_loop.max_restarts
-                window = rcfg.crash_loop.window
-                return [
-                    *actions,
-                    *self._to(
-                        State.FAILED,
-                        "crash_loop",
-                        now,
-                        f"{n} restarts within {window:g}s on profile {ctx.profile}",
-                    ),
-                ]
-        # The backoff runs from the restart decision, not from the old launch's last process:
-        # stopping what is left of it (seconds, for SGLang's schedulers) overlaps the wait
-        # instead of adding to every restart's downtime. The gap between two launches is still
-        # at least the backoff.
-        wait = max(0.0, self._next_backoff() - (now - ctx.since))
-        return [*actions, SetTimer(TimerName.BACKOFF, wait, ctx.launch)]
-
-    # ------------------------------------------------------------------ restart.mode: exit
-
-    def _hand_over(self, reason: Reason, now: float) -> list[Action]:
-        """Instead of relaunching alone: clean the host, then exit for the orchestrator.
-
-        A node of a multi-node replica cannot rejoin a running group (the others block in NCCL
-        until SGLang's watchdog), so the whole group must relaunch together; under Kubernetes
-        the LeaderWorkerSet's RecreateGroupOnPodRestart does that when this process exits. The
-        old launch is already gone (ChildGone); the cleaning removes what it may have left on
-        the GPUs, so nothing of it outlives the daemon.
-        """
-        self.ctx.handing_over = True
-        detail = f"{reason}: {self.ctx.pending_detail}" if self.ctx.pending_detail else reason
-        return [
-            *self._to(State.STOPPING, "restart_mode_exit", now, detail),
-            *[CancelTimer(n) for n in TimerName],
-            CleanHost(),
-        ]
-
-    def _handed_over(self, event: HostReady | HostNotReady, now: float) -> list[Action]:
-        self.ctx.handing_over = False
-        code = EX_RESTART_BY_ORCHESTRATOR
-        if isinstance(event, HostNotReady):
-            # Exit all the same: the orchestrator's relaunch (maybe elsewhere) is the way on.
-            detail = f"host not clean: {event.message}; exit {code}"
-            return [*self._to(State.STOPPED, "restart_mode_exit", now, detail), Exit(code)]
-        detail = f"exit {code}: the orchestrator relaunches the group"
-        return [*self._to(State.STOPPED, "restart_mode_exit", now, detail), Exit(code)]
 
 
 def extends_job(state: State, ever_ready: bool) -> bool:
