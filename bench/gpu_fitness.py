@@ -43,19 +43,20 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_leftovers import HOLDER, Gpu, Spec, launch  # noqa: E402
 from bench.gpu_run import run, scene, verdict  # noqa: E402
-from supervisor import fitness, fitness_watch, gpu  # noqa: E402
+from supervisor import gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
-from supervisor.gpu_sim import open_nvml  # noqa: E402
-from supervisor.identity import (  # noqa: E402
+from supervisor.daemon.metrics import Metrics  # noqa: E402
+from supervisor.gpu import fitness, fitness_watch  # noqa: E402
+from supervisor.gpu.nvml import MiB, gpu_status  # noqa: E402
+from supervisor.gpu.sim import open_nvml  # noqa: E402
+from supervisor.process import ProcessOwner  # noqa: E402
+from supervisor.process.identity import (  # noqa: E402
     OWNER_ENV,
     LaunchRecord,
     RecordStore,
     live_process,
     signal_identity,
 )
-from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, gpu_status  # noqa: E402
-from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 
 NVLINK_CRC_FIELD = 100  # NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: not supported on a lone GPU
@@ -107,7 +108,7 @@ def not_supported_path(index: int) -> dict[str, Any]:
     it must come out as NOT_SUPPORTED."""
     import pynvml
 
-    from supervisor.nvml import _NOT_SUPPORTED, _field_value
+    from supervisor.gpu.nvml import _NOT_SUPPORTED, _field_value
 
     h = pynvml.nvmlDeviceGetHandleByIndex(index)
     v = pynvml.nvmlDeviceGetFieldValues(h, [NVLINK_CRC_FIELD])[0]

@@ -49,7 +49,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.identity import (  # noqa: E402
+from supervisor.process.identity import (  # noqa: E402
     LaunchRecord,
     ProcessIdentity,
     RecordStore,
@@ -114,7 +114,7 @@ class Gpu:
     def __init__(self, index: int, simulated: bool) -> None:
         self.simulated = simulated
         if simulated:
-            from supervisor.gpu_sim import SimulatedNvml
+            from supervisor.gpu.sim import SimulatedNvml
 
             self.sim = SimulatedNvml.from_env(os.environ)
             self.uuid = self.sim.snapshot()[index].uuid

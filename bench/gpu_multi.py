@@ -45,10 +45,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_run import run, scene, verdict  # noqa: E402
-from supervisor import fitness, fitness_watch, gpu  # noqa: E402
+from supervisor import gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
-from supervisor.gpu_sim import open_nvml  # noqa: E402
-from supervisor.identity import (  # noqa: E402
+from supervisor.daemon.metrics import Metrics  # noqa: E402
+from supervisor.gpu import fitness, fitness_watch  # noqa: E402
+from supervisor.gpu.nvml import MiB, NvmlUnavailable  # noqa: E402
+from supervisor.gpu.sim import open_nvml  # noqa: E402
+from supervisor.process import ProcessOwner  # noqa: E402
+from supervisor.process.identity import (  # noqa: E402
     OWNER_ENV,
     LaunchRecord,
     ProcessIdentity,
@@ -57,9 +61,6 @@ from supervisor.identity import (  # noqa: E402
     live_process,
     signal_identity,
 )
-from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.nvml import MiB, NvmlUnavailable  # noqa: E402
-from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.threads import in_thread  # noqa: E402
 
 # argv: GIB NCCL(0|1) TITLE...; env RANK/WORLD/PORT for NCCL. Reports "pid result" on

@@ -12,8 +12,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from supervisor.identity import owner_marker
-from supervisor.nvml import NvmlUnavailable
+from supervisor.gpu.nvml import NvmlUnavailable
+from supervisor.process.identity import owner_marker
 
 
 class Scene(NamedTuple):

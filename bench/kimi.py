@@ -24,8 +24,8 @@ from bench.common import (
     Procs,
     iso_time,
 )
-from supervisor import command
 from supervisor import config as config_mod
+from supervisor.sglang import argv as command
 from testkit import base_config, kill_owned, owned_processes, wait_gone
 
 BIN = PYTHON.parent / "kimi-serve"

@@ -9,7 +9,7 @@ Per round, one node's SGLang main process is SIGKILLed (alternately the follower
 leader's): the time until every node's /readyz answers 503, and until both answer 200 again,
 with the stand-in's own load and warm-up (0.4 s per launch) taken out.
 
-`--failed-follower`: the follower's simulated GPU 0 needs a reset (supervisor/gpu_sim.py), so
+`--failed-follower`: the follower's simulated GPU 0 needs a reset (supervisor/gpu/sim.py), so
 it goes `failed` before any launch; the leader keeps starting epochs (its backoff 0.1 s) and
 each must end at once. Measured per epoch from the leader's `launching` log line (the first:
 from the follower's `failed`) to its `restarting` with reason `group`. docs/benchmarks.md has
@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from supervisor.gpu_sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
+from supervisor.gpu.sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
 from testkit import running
 from testkit.pair import node_configs, ready, until_all
 

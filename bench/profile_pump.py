@@ -25,7 +25,7 @@ import yaml
 from bench.flood import LINE
 from supervisor import config as config_mod
 from supervisor import log
-from supervisor.logscan import LogScanner, Stream, guess_level
+from supervisor.sglang.logscan import LogScanner, Stream, guess_level
 from testkit import base_config
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=200_000)
     a = p.parse_args(argv)
 
-    from supervisor.daemon import Daemon
+    from supervisor.daemon.loop import Daemon
 
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull:
         path = Path(tmp) / "kimi-serve.yaml"

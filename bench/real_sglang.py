@@ -30,7 +30,7 @@ import httpx
 import psutil
 import yaml
 
-from supervisor.logscan import READY_LINE
+from supervisor.sglang.logscan import READY_LINE
 from testkit import DaemonProcess, free_port
 from testkit.sglang_cpu import CPU_ARGS
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.stack_dump            # tp 1 and 8, 5 rounds each, about 20 s
 
 Starts the SGLang stand-in with `--tp-size N` and its decode-hang fault, hangs one request, then
-times `supervisor.stacks.capture()` over the main process and every child (what the daemon
+times `supervisor.incidents.stacks.capture()` over the main process and every child (what the daemon
 dumps before a liveness_failed kill): native frames on, then off. Also the same with a py-spy
 that hangs (the budget, 2 s here, is what it costs at worst).
 """
@@ -22,7 +22,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.stacks import capture
+from supervisor.incidents.stacks import capture
 from testkit import free_port
 from testkit.standin import Standin
 

@@ -17,8 +17,9 @@ from supervisor.config import Config, ConfigError
 from supervisor.exits import EX_CONFIG, EX_FAIL, EX_OK
 
 # `status` has its own (0 ready, 3 not ready, 4 unreachable, 5 the port held by another
-# user): see supervisor/status.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
-# 4 unreachable, 5 the port held by another user, 77 no permission): supervisor/control.py.
+# user): see supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
+# 4 unreachable, 5 the port held by another user, 77 no permission):
+# supervisor/admin/control_commands.py.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +39,8 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import caches, command
+    from supervisor.sglang import argv as command
+    from supervisor.warm import caches
 
     cfg = _load(args, err)
     if cfg is None:
@@ -57,7 +59,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import command
+    from supervisor.sglang import argv as command
 
     cfg = _load(args, err)
     if cfg is None:
@@ -81,25 +83,25 @@ def _open_nvml() -> Any:
     """Real NVML, or the simulation where tests and the demo ask for it (gpu_sim's variables).
 
     Chosen here, at the edge: the daemon and the GPU code only ever get an opener."""
-    from supervisor import gpu_sim
+    from supervisor.gpu import sim as gpu_sim
 
     return gpu_sim.open_nvml()
 
 
 def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import log
-    from supervisor.daemon import Daemon
-    from supervisor.effects import Effects
+    from supervisor.daemon.effects import Effects
+    from supervisor.daemon.loop import Daemon
 
     cfg = _load(args, err)
     if cfg is None:
-        from supervisor.notify import Notifier
+        from supervisor.daemon.notify import Notifier
 
         Notifier().status("failed to start: configuration invalid (see the log)")
         return EX_CONFIG
     problem = _token_file_problem(cfg)
     if problem:
-        from supervisor.notify import Notifier
+        from supervisor.daemon.notify import Notifier
 
         print(problem, file=err)
         Notifier().status(f"failed to start: {problem}")
@@ -112,7 +114,7 @@ def _token_file_problem(cfg: Config) -> str | None:
     """An existing token file that others could read, or a directory for it that others
     could write: refused before anything starts, with 78, since no restart fixes it. (An
     absent file is created by the admin endpoint.)"""
-    from supervisor import admin_token
+    from supervisor.admin import token as admin_token
 
     path = cfg.admin.token_file
     directory = Path(path).parent
@@ -143,8 +145,9 @@ def _token_file_problem(cfg: Config) -> str | None:
 def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import httpx
 
-    from supervisor import command, sglang_key
-    from supervisor.probe import probe, server_url
+    from supervisor.sglang import api_key as sglang_key
+    from supervisor.sglang import argv as command
+    from supervisor.sglang.probe import probe, server_url
 
     cfg = _load(args, err)
     if cfg is None:
@@ -196,7 +199,8 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import admin_token, status
+    from supervisor.admin import status_command as status
+    from supervisor.admin import token as admin_token
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
@@ -215,7 +219,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _token_if_readable(path: str | None) -> str | None:
     """`status` uses the token when this user may read it, and goes without it silently."""
-    from supervisor import admin_token
+    from supervisor.admin import token as admin_token
 
     if not path:
         return None
@@ -226,7 +230,7 @@ def _token_if_readable(path: str | None) -> str | None:
 
 
 def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import control
+    from supervisor.admin import control_commands as control
 
     if args.url and args.token_file:
         base, token_file = args.url, args.token_file
@@ -259,7 +263,8 @@ def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_canary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import canary_cli, canary_store
+    from supervisor.quality import canary_cli
+    from supervisor.quality import golden as canary_store
 
     cfg = _load(args, err)
     if cfg is None:
@@ -313,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
     p.add_argument("--token-file", metavar="FILE", help=token_help)
-    from supervisor.control import WHAT
+    from supervisor.admin.control_commands import WHAT
 
     for name, timeout in (("restart", 10.0), ("drain", 600.0), ("undrain", 30.0)):
         p = add(name, cmd_operation, WHAT[name])

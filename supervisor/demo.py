@@ -121,7 +121,7 @@ def run_demo(
     load_seconds: float = 3.0,
     duration: float | None = None,
 ) -> int:
-    from supervisor.daemon import Daemon
+    from supervisor.daemon.loop import Daemon
 
     if fault is not None and fault not in FAULTS:
         print(f"kimi-serve demo: unknown fault {fault!r}; one of: {', '.join(FAULTS)}", file=err)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import psutil
 
-from supervisor.identity import OWNER_ENV
+from supervisor.process.identity import OWNER_ENV
 
 
 def owned_processes(owner: str) -> list[psutil.Process]:

@@ -3,8 +3,8 @@ config's `sglang.args` (the daemon renders them) and as argv for a server starte
 
 from __future__ import annotations
 
-from supervisor.command import flag_tokens
 from supervisor.config import ArgValue
+from supervisor.sglang.argv import flag_tokens
 
 CPU_ARGS: dict[str, ArgValue] = {
     "device": "cpu",

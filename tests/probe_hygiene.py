@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from supervisor.config import ProbeConfig
-from supervisor.probe import ProbeGate, ProbeResult, probe, read_progress
+from supervisor.sglang.probe import ProbeGate, ProbeResult, probe, read_progress
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.gpu_sim import ENV_TAG
+from supervisor.gpu.sim import ENV_TAG
 from tests.gpu.gpu_helpers import Procs
 
 

@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 from supervisor.config import GpusConfig
-from supervisor.gpu_sim import ENV_TAG
-from supervisor.identity import ProcessIdentity, identity_of, signal_identity
+from supervisor.gpu.sim import ENV_TAG
+from supervisor.process.identity import ProcessIdentity, identity_of, signal_identity
 
 # Reports its pid once its signal disposition is in place, then waits for signals forever.
 HOLDER = """

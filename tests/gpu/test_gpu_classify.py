@@ -7,8 +7,7 @@ import json
 import pytest
 
 from supervisor.gpu import Kind, ProcFacts, classify
-from supervisor.identity import ProcessIdentity
-from supervisor.nvml import (
+from supervisor.gpu.nvml import (
     GiB,
     GpuProcess,
     GpuSnapshot,
@@ -16,6 +15,7 @@ from supervisor.nvml import (
     gpu_status,
     select,
 )
+from supervisor.process.identity import ProcessIdentity
 
 ME = 1000
 OTHER = 1001

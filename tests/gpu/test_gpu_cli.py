@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import gpu_sim
 from supervisor.config import Config, parse
 from supervisor.gpu import owner_marker, run_gpu_clean
-from supervisor.identity import LaunchRecord, ProcessIdentity, RecordStore, live_process
+from supervisor.gpu import sim as gpu_sim
+from supervisor.process.identity import LaunchRecord, ProcessIdentity, RecordStore, live_process
 from tests.gpu.gpu_helpers import Procs
 
 

@@ -1,5 +1,5 @@
 """GPU fitness and leftovers through the real daemon: `kimi-serve run` supervising the stand-in
-on simulated GPUs (supervisor/gpu_sim.py), whose faults a test sets in a file while it runs.
+on simulated GPUs (supervisor/gpu/sim.py), whose faults a test sets in a file while it runs.
 
 - A GPU that needs a reset before a launch: `failed` with the one line, nothing launched.
 - An Xid event while serving: counted and shown, no restart; a lost GPU or a recovery action
@@ -21,7 +21,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.gpu_sim import (
+from supervisor.gpu.sim import (
     ENV_GPUS,
     ENV_HEALTH,
     ENV_TAG,

@@ -12,8 +12,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from supervisor import fitness
-from supervisor.nvml import (
+from supervisor.gpu import fitness
+from supervisor.gpu.nvml import (
     EVENT_MASK,
     EVENT_XID,
     NvmlUnavailable,

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from supervisor.fitness import NOT_SUPPORTED
-from supervisor.fitness_watch import Monitor
-from supervisor.gpu_sim import SimulatedNvml, parse_health, simulated_uuid
-from supervisor.machine import GpuFault, GpuUnfit
-from supervisor.metrics import Metrics
-from supervisor.nvml import NvmlUnavailable
+from supervisor.core.machine import GpuFault, GpuUnfit
+from supervisor.daemon.metrics import Metrics
+from supervisor.gpu.fitness import NOT_SUPPORTED
+from supervisor.gpu.fitness_watch import Monitor
+from supervisor.gpu.nvml import NvmlUnavailable
+from supervisor.gpu.sim import SimulatedNvml, parse_health, simulated_uuid
 
 GPUS = 8
 
@@ -217,7 +217,7 @@ async def test_watcher_cancel_returns_within_a_slice_and_never_blocks_the_loop(
 
 
 async def test_a_corrected_ecc_event_is_news_only_when_the_gpu_is_unfit(tmp_path: Path) -> None:
-    from supervisor.fitness import XidEvent
+    from supervisor.gpu.fitness import XidEvent
 
     s, health, _ = sim(tmp_path, gpus=2)
     posted: list[Any] = []

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from supervisor import gpu_sim
-from supervisor.gpu_sim import SimulatedNvml, gpus_of, open_nvml, simulated_uuid
-from supervisor.nvml import GiB, MiB, NvmlUnavailable, PynvmlNvml
+from supervisor.gpu import sim as gpu_sim
+from supervisor.gpu.nvml import GiB, MiB, NvmlUnavailable, PynvmlNvml
+from supervisor.gpu.sim import SimulatedNvml, gpus_of, open_nvml, simulated_uuid
 from tests.gpu.gpu_helpers import HOLDER, Procs
 
 

@@ -2,7 +2,7 @@
 `kimi-serve gpu-clean` (the real command, as a process), and nobody else's process may die.
 
 Real users: the service user is created with useradd (`testkit.users`), the bystanders run as
-root and as `nobody`. Real processes hold simulated GPU memory (`supervisor.gpu_sim`).
+root and as `nobody`. Real processes hold simulated GPU memory (`supervisor.gpu.sim`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import gpu_sim
+from supervisor.gpu import sim as gpu_sim
 from supervisor.gpu import sweep_leftovers
-from supervisor.identity import RECORD_FILE, ProcessIdentity, live_process
 from supervisor.process import ProcessOwner
+from supervisor.process.identity import RECORD_FILE, ProcessIdentity, live_process
 from testkit import BIN
 from testkit.users import system_user
 from tests.gpu.gpu_helpers import Procs

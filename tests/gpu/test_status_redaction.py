@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.gpu_sim import ENV_GPUS, ENV_MIB, ENV_TAG
+from supervisor.gpu.sim import ENV_GPUS, ENV_MIB, ENV_TAG
 from testkit import base_config, running
 from tests.gpu.gpu_helpers import Procs
 

@@ -24,7 +24,7 @@ from supervisor.incidents import (
     IncidentStore,
     newest_crash_dump,
 )
-from supervisor.stacks import Capture, ProcessStack
+from supervisor.incidents.stacks import Capture, ProcessStack
 
 TRACEBACK = [
     "[2026-12-01 03:12:09 TP0] Scheduler hit an exception: Traceback (most recent call last):",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli, status
+from supervisor import cli
+from supervisor.admin import status_command as status
 from supervisor.incidents import Incident, IncidentStore
-from supervisor.stacks import capture
+from supervisor.incidents.stacks import capture
 
 from .conftest import Spawn
 from .test_incidents import TRACEBACK, Clock, cfg, incident

@@ -1,4 +1,5 @@
-"""supervisor.recorder: the daemon's hooks in the order a launch meets them, against a real hung
+"""supervisor.incidents.recorder:
+the daemon's hooks in the order a launch meets them, against a real hung
 process and the real py-spy; restarts somebody asked for leave nothing."""
 
 from __future__ import annotations
@@ -6,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor import config, stacks
-from supervisor.recorder import IncidentRecorder
+from supervisor import config
+from supervisor.incidents import stacks
+from supervisor.incidents.recorder import IncidentRecorder
 
 from .conftest import Spawn
 

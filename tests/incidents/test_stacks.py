@@ -1,4 +1,5 @@
-"""supervisor.stacks: real py-spy against real hung processes; fake py-spy programs only where
+"""supervisor.incidents.stacks:
+real py-spy against real hung processes; fake py-spy programs only where
 py-spy itself must misbehave (hang, fail on --native) or must be shown running in parallel."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import stacks
-from supervisor.stacks import (
+from supervisor.incidents import stacks
+from supervisor.incidents.stacks import (
     FAILED,
     NO_PRIVILEGE,
     PROCESS_GONE,

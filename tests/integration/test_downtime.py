@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from supervisor import prewarm
+from supervisor.warm import prewarm
 from testkit import base_config, running
 
 pytestmark = pytest.mark.timeout(90)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from supervisor.gpu_sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
+from supervisor.gpu.sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
 from testkit import running
 from testkit.pair import Proxy, launches, node_configs, ready, shared_token, until_all
 
@@ -199,7 +199,7 @@ def at(event: dict[str, Any]) -> float:
 
 
 def unfit_gpu_env(tmp: Path, env: dict[str, str]) -> dict[str, str]:
-    """Simulated NVML (supervisor/gpu_sim.py) with GPU 0 needing a reset."""
+    """Simulated NVML (supervisor/gpu/sim.py) with GPU 0 needing a reset."""
     (tmp / "health").write_text("0:remap_pending")
     return {
         **env,

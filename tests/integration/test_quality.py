@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from supervisor import canary_store
+from supervisor.quality import golden as canary_store
 from testkit import base_config, running
 
 pytestmark = pytest.mark.timeout(90)

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.machine import EX_RESTART_BY_ORCHESTRATOR
+from supervisor.core.machine import EX_RESTART_BY_ORCHESTRATOR
 from testkit import base_config, owned_processes, running, wait_gone
 
 pytestmark = pytest.mark.timeout(90)

@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from supervisor import config
-from supervisor.command import build
 from supervisor.config import Config
-from supervisor.sglang import run_sglang_parser
+from supervisor.sglang.argv import build
+from supervisor.sglang.options import run_sglang_parser
 
 from .conftest import KUBERNETES, OVERLAYS, REPO_ROOT, render
 
@@ -559,8 +559,8 @@ def test_the_token_directory_is_the_daemons_own_inside_a_0777_emptydir(
 ) -> None:
     """The kubelet makes an emptyDir mode 0777 (pkg/volume/emptydir): the token rules refuse
     that as the token's directory, so state_dir is a directory the daemon makes inside it."""
-    from supervisor import admin_token
-    from supervisor.identity import RecordStore
+    from supervisor.admin import token as admin_token
+    from supervisor.process.identity import RecordStore
 
     for role, cfg in configs(rendered):
         mount = tmp_path / role

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.preflight import EX_CONFIG, Check, exit_code, failures, summary
-from supervisor.sglang import (
+from supervisor.sglang.options import (
     KNOWN_FLAGS,
     abbreviations,
     error_flags,

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from supervisor import preflight
-from supervisor.command import build
 from supervisor.preflight import (
     GpuCountUnavailable,
     check_gpus,
@@ -21,6 +20,7 @@ from supervisor.preflight import (
     check_port,
     run_checks,
 )
+from supervisor.sglang.argv import build
 
 from .conftest import MakeConfig, free_port
 

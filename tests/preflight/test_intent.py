@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.command import LaunchSpec, build
 from supervisor.config import load
-from supervisor.intent import Mismatch, compare, expected_server_args, unknown_fields
+from supervisor.sglang.argv import LaunchSpec, build
+from supervisor.sglang.intent import Mismatch, compare, expected_server_args, unknown_fields
 from testkit import free_port
 from testkit.standin import Standin
 

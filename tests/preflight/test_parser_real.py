@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import preflight, reload, sglang
-from supervisor.command import build
+from supervisor import preflight
 from supervisor.config import ConfigError, load
+from supervisor.daemon import reload
 from supervisor.preflight import EX_CONFIG, Check, run_checks
-from supervisor.sglang import run_sglang_parser
+from supervisor.sglang import options as sglang
+from supervisor.sglang.argv import build
+from supervisor.sglang.options import run_sglang_parser
 
 from .conftest import REPO_ROOT, MakeConfig, model_dir
 

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.logscan import READY_LINE
+from supervisor.sglang.logscan import READY_LINE
 from testkit.sglang_cpu import CPU_FLAGS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.logscan import READY_LINE
-from supervisor.probe import parse_progress
+from supervisor.sglang.logscan import READY_LINE
+from supervisor.sglang.probe import parse_progress
 from tests.realsglang import server as real
 from tests.realsglang.conftest import (
     LOAD_TIMEOUT,

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.identity import RECORD_FILE, LaunchRecord, ProcessIdentity, RecordStore
+from supervisor.process.identity import RECORD_FILE, LaunchRecord, ProcessIdentity, RecordStore
 from testkit import base_config, free_port
 from tests.reliability.rig import Trial, is_alive, is_event, is_state, supervised, trial
 

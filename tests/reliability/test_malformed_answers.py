@@ -1,5 +1,5 @@
 """The decode probe against a server that answers badly: a real loopback HTTP server (asyncio
-streams, so it can say things no HTTP library would) behind `supervisor.probe.probe()`.
+streams, so it can say things no HTTP library would) behind `supervisor.sglang.probe.probe()`.
 
 Whatever comes back - arbitrary bytes, truncated or mistyped JSON, a huge body, a trickle,
 headers and then silence, broken HTTP - the probe never raises, never passes unless the answer
@@ -27,9 +27,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor import probing
 from supervisor.config import ProbeConfig
-from supervisor.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
+from supervisor.daemon import probing
+from supervisor.sglang.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
 from tests.reliability.rig import soak_factor, trial
 
 pytestmark = pytest.mark.timeout(120)

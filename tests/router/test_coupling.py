@@ -11,7 +11,7 @@ from dataclasses import replace
 import httpx
 
 from supervisor.config import RouterConfig
-from supervisor.machine import (
+from supervisor.core.machine import (
     Action,
     DrainRequested,
     Event,

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import sdnotify
 
-from supervisor import stacks
 from supervisor.config import IncidentsConfig
-from supervisor.incidents import Incident, IncidentStore
+from supervisor.incidents import Incident, IncidentStore, stacks
 
 TARGET = """
 import ctypes, os, sys, threading

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.stacks import CAP_SYS_PTRACE, NO_PRIVILEGE
+from supervisor.incidents.stacks import CAP_SYS_PTRACE, NO_PRIVILEGE
 from testkit.box import Box
 
 from .kimi import UNIT_NAME, install_kimi_serve

@@ -17,8 +17,9 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from supervisor import admin, admin_token, config
-from supervisor.metrics import ADMIN_PROTECTED_ENDPOINTS, Metrics
+from supervisor import admin, config
+from supervisor.admin import token as admin_token
+from supervisor.daemon.metrics import ADMIN_PROTECTED_ENDPOINTS, Metrics
 
 SGLANG_LINE = "AttributeError: 'EAGLEWorkerV2' object has no attribute 'x'"
 MUTATING = ("/restart", "/drain", "/undrain")
@@ -708,7 +709,7 @@ def test_loopback_listen_needs_nothing(listen: str) -> None:
 
 
 def test_the_summary_says_what_a_tokenless_status_left_out(tmp_path: Path) -> None:
-    from supervisor import status
+    from supervisor.admin import status_command as status
 
     whole = Backend(tmp_path).status_document()
     shown = status.render(whole, now=2.0)

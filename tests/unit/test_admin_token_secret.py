@@ -17,7 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from supervisor import admin, admin_token
+from supervisor import admin
+from supervisor.admin import token as admin_token
 from testkit.daemon import BIN, base_config
 from tests.unit.test_admin import Backend
 

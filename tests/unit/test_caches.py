@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import caches, cli, config, preflight
-from supervisor.caches import Mount
+from supervisor import cli, config, preflight
+from supervisor.warm import caches
+from supervisor.warm.caches import Mount
 
 # A real mountinfo's shapes (proc(5)): the root, a tmpfs /dev/shm, a unit's PrivateTmp bind.
 MOUNTINFO = """\

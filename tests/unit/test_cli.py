@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import __version__, caches, cli
+from supervisor import __version__, cli
+from supervisor.warm import caches
 from testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +160,7 @@ def test_print_command_shows_every_production_flag() -> None:
         assert contains_run(argv, run), f"{run} not in {first}"
     own = ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1", "env: SPT_NOENV=1"]
     assert [line for line in env if line in own] == own
-    # Every JIT cache under warm.cache_dir (supervisor/caches.py), one line each.
+    # Every JIT cache under warm.cache_dir (supervisor/warm/caches.py), one line each.
     state = yaml.safe_load(PRODUCTION.read_text()).get("state_dir") or "/var/lib/kimi-serve"
     set_here = sorted(line for line in env if line not in own)
     assert set_here == sorted(f"env: {c.env}={state}/cache/{c.subdir}" for c in caches.CACHES)
@@ -342,8 +343,8 @@ def test_the_stdout_a_command_gets_is_still_the_terminal_or_the_journal() -> Non
 def test_canary_command_show_accept_forget(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from supervisor.canary_store import CanaryStore, Golden
     from supervisor.quality import Answer
+    from supervisor.quality.golden import CanaryStore, Golden
 
     cfg = tmp_path / "k.yaml"
     cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n")

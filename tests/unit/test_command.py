@@ -1,4 +1,4 @@
-"""supervisor.command: config + profile -> the exact SGLang argv and environment."""
+"""supervisor.sglang.argv: config + profile -> the exact SGLang argv and environment."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor import caches, command, config
-from supervisor.command import build, flag_tokens
+from supervisor import config
 from supervisor.config import Config
+from supervisor.sglang import argv as command
+from supervisor.sglang.argv import build, flag_tokens
+from supervisor.warm import caches
 
 PRODUCTION = Path(__file__).resolve().parents[2] / "etc" / "kimi-serve.yaml"
 SPECULATIVE = (

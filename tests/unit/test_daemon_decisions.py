@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.machine import State, extends_job
+from supervisor.core.machine import State, extends_job
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,7 @@ import yaml
 
 from supervisor import config as config_mod
 from supervisor import router
-from supervisor.daemon import Daemon
-from supervisor.effects import Effects
-from supervisor.identity import RecordStore, owner_marker
-from supervisor.logscan import Stream
-from supervisor.machine import (
+from supervisor.core.machine import (
     ChildExited,
     ChildGone,
     FatalLog,
@@ -26,8 +22,12 @@ from supervisor.machine import (
     Transitioned,
     Verdict,
 )
-from supervisor.notify import Notifier
+from supervisor.daemon.effects import Effects
+from supervisor.daemon.loop import Daemon
+from supervisor.daemon.notify import Notifier
 from supervisor.process import ProcessOwner
+from supervisor.process.identity import RecordStore, owner_marker
+from supervisor.sglang.logscan import Stream
 from testkit import base_config
 
 
@@ -100,7 +100,7 @@ async def test_a_reload_after_ready_opens_and_ends_a_reload_job(daemon: Daemon) 
 
 
 async def test_restarts_are_counted_once(daemon: Daemon) -> None:
-    from supervisor.machine import Reason, RecordRestart
+    from supervisor.core.machine import Reason, RecordRestart
 
     daemon._do(RecordRestart(Reason.EXITED, 1, None, "exit code 1"))
     daemon._do(RecordRestart(Reason.EXITED, None, 9, "killed by signal 9"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.downtime import Downtime
-from supervisor.machine import Reason, State, Transitioned
+from supervisor.core.downtime import Downtime
+from supervisor.core.machine import Reason, State, Transitioned
 
 R, D, RS, C, L, W, DR, ST = (
     State.READY,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.fitness import (
+from supervisor.gpu.fitness import (
     NOT_SUPPORTED,
     Action,
     HealthRead,

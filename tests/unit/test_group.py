@@ -1,4 +1,4 @@
-"""supervisor/group.py and what it decides with: `group.leader` (one file for every node of a
+"""supervisor/daemon/group.py and what it decides with: `group.leader` (one file for every node of a
 LeaderWorkerSet), a follower in `failed` ending the leader's epoch, kimi_serve_ready following
 /readyz, a reload that would change the group's shape refused, and the poll's bound on what a
 peer may send, against real misbehaving HTTP servers on loopback."""
@@ -16,10 +16,10 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor import admin_token, config, reload
+from supervisor import config
+from supervisor.admin import token as admin_token
 from supervisor.config import Config, ConfigError
-from supervisor.group import MAX_ANSWER_BYTES, Group, reload_refusal
-from supervisor.machine import (
+from supervisor.core.machine import (
     Machine,
     PeerView,
     State,
@@ -27,7 +27,9 @@ from supervisor.machine import (
     follower_failed_ends,
     leader_ends,
 )
-from supervisor.metrics import Metrics
+from supervisor.daemon import reload
+from supervisor.daemon.group import MAX_ANSWER_BYTES, Group, reload_refusal
+from supervisor.daemon.metrics import Metrics
 
 LEADER_ADDR = "kimi-serve-0.kimi-serve.default"
 
@@ -158,7 +160,7 @@ def test_a_reload_changing_the_role_or_the_peers_is_refused_with_one_line() -> N
     assert "next start of the daemon" in line["why"] and heard == [line["why"]]
     assert reload.judge(running, timing, heard.append) is Verdict.CHANGED
     assert heard[-1] is None  # a reload that is taken clears /status.reload_refused
-    from supervisor.status import render
+    from supervisor.admin.status_command import render
 
     text = render({"state": "ready", "reload_refused": line["why"]}, 0.0)
     assert f"Reload: REFUSED: {line['why']}" in text

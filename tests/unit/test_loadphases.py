@@ -1,12 +1,12 @@
-"""supervisor.loadphases: SGLang 0.5.23's own load markers (as its logger prints them, rank
+"""supervisor.sglang.loadphases: SGLang 0.5.23's own load markers (as its logger prints them, rank
 prefix included) into phases; phases a release does not print are absent, never 0."""
 
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.loadphases import PHASES, LoadTimeline
-from supervisor.metrics import Metrics
+from supervisor.daemon.metrics import Metrics
+from supervisor.sglang.loadphases import PHASES, LoadTimeline
 
 # model_runner.py:1274 / 1373, kv_cache_configurator.py:499, cuda_graph_setup.py:759 / 788,
 # http_server.py:2600 (sglang 0.5.23); uvicorn's own start line.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import DEFAULT_FATAL_PATTERNS
-from supervisor.logscan import (
+from supervisor.sglang.logscan import (
     NOTHING,
     READY_LINE,
     LineVerdict,
@@ -19,7 +19,7 @@ from supervisor.logscan import (
     exception_line,
     guess_level,
 )
-from supervisor.probe import new_rid
+from supervisor.sglang.probe import new_rid
 
 SCHEDULER_EXCEPTION = DEFAULT_FATAL_PATTERNS[0]
 

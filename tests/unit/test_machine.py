@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from supervisor import config
 from supervisor.config import PRIMARY, Config
-from supervisor.machine import (
+from supervisor.core.machine import (
     CHILD_STATES,
     EDGES,
     EX_RESTART_BY_ORCHESTRATOR,
@@ -71,7 +71,7 @@ from supervisor.machine import (
     WatchesEnd,
     watches_end,
 )
-from supervisor.probe import ProbeResult
+from supervisor.sglang.probe import ProbeResult
 
 T0 = 1_000.0
 PID = 4242

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.machine import (
+from supervisor.core.machine import (
     CHILD_STATES,
     EDGES,
     ChildGone,

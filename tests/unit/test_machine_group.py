@@ -10,7 +10,7 @@ import pytest
 
 from supervisor import config
 from supervisor.config import Config, ConfigError, GroupConfig, RouterConfig
-from supervisor.machine import (
+from supervisor.core.machine import (
     GroupEnded,
     HostReady,
     Launched,
@@ -200,7 +200,7 @@ def test_multi_node_without_peers_or_exit_mode_is_warned() -> None:
 
 
 def test_status_renders_the_group_and_a_partition() -> None:
-    from supervisor.status import render
+    from supervisor.admin.status_command import render
 
     doc = {
         "state": "cleaning",
@@ -223,7 +223,7 @@ def test_status_renders_the_group_and_a_partition() -> None:
 
 
 def test_a_malformed_group_answer_counts_as_no_answer() -> None:
-    from supervisor.group import parse_view
+    from supervisor.daemon.group import parse_view
 
     ok = {"epoch": "a-1", "state": "ready", "running": True, "ready": True}
     assert parse_view(ok) == PeerView("a-1", "ready", True, True)
@@ -235,8 +235,8 @@ def test_a_malformed_group_answer_counts_as_no_answer() -> None:
 def test_post_group_end_ends_only_the_current_epoch_of_a_running_leader() -> None:
     import httpx
 
-    from supervisor.group import Group
-    from supervisor.metrics import Metrics
+    from supervisor.daemon.group import Group
+    from supervisor.daemon.metrics import Metrics
 
     cfg = cfg_for(0)
     m = loaded(cfg)

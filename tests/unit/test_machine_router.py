@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.config import Config, RouterConfig
-from supervisor.machine import (
+from supervisor.core.machine import (
     SERVING,
     Action,
     ChildExited,

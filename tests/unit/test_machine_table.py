@@ -1,4 +1,4 @@
-"""The event x state table in supervisor/machine.py's docstring is what the machine does.
+"""The event x state table in supervisor/core/machine.py's docstring is what the machine does.
 
 Each cell is computed by driving a fresh machine to the column's state (the scripted paths of
 test_machine.Drive) and sending the row's event for the current launch: the state it lands in,
@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from supervisor import machine
 from supervisor.config import Config
-from supervisor.machine import (
+from supervisor.core import machine
+from supervisor.core.machine import (
     EDGES,
     ChildExited,
     ChildGone,

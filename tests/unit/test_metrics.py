@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from supervisor.machine import Reason, State
-from supervisor.metrics import Metrics
+from supervisor.core.machine import Reason, State
+from supervisor.daemon.metrics import Metrics
 
 
 def sample(m: Metrics, name: str, **labels: str) -> float | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.fitness import HealthRead
-from supervisor.metrics import Metrics
-from supervisor.nvml import GpuSnapshot, gpu_status
+from supervisor.daemon.metrics import Metrics
+from supervisor.gpu.fitness import HealthRead
+from supervisor.gpu.nvml import GpuSnapshot, gpu_status
 
 
 def snap(index: int, health: HealthRead | None) -> GpuSnapshot:
@@ -63,7 +63,7 @@ def test_xid_and_leftover_counters() -> None:
 
 
 def test_kimi_serve_status_names_an_unfit_gpu_and_its_action() -> None:
-    from supervisor.status import render
+    from supervisor.admin.status_command import render
 
     snaps = [snap(0, fit(0)), snap(1, fit(1, remapped_failure=True))]
     text = render({"state": "failed", "gpus": gpu_status(snaps)}, now=0.0)

@@ -1,4 +1,5 @@
-"""supervisor.notify in process: what reaches a real datagram socket passed as NOTIFY_SOCKET."""
+"""supervisor.daemon.notify in process:
+what reaches a real datagram socket passed as NOTIFY_SOCKET."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.notify import Notifier, watchdog_interval
+from supervisor.daemon.notify import Notifier, watchdog_interval
 from testkit import NotifyListener, wait_until
 
 

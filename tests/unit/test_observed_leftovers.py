@@ -1,4 +1,4 @@
-"""/status.leftovers over the cleanings before a launch (supervisor.observed)."""
+"""/status.leftovers over the cleanings before a launch (supervisor.daemon.observed)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from supervisor import config
+from supervisor.core.machine import Context
+from supervisor.daemon.metrics import Metrics
+from supervisor.daemon.observed import Observed
 from supervisor.gpu import SweepReport, SweptProcess
-from supervisor.machine import Context
-from supervisor.metrics import Metrics
-from supervisor.observed import Observed
 
 
 def observed(tmp_path: Path) -> tuple[Observed, Metrics]:

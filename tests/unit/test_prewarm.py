@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from supervisor import config, prewarm
-from supervisor.machine import State, Transitioned
-from supervisor.warm import Warm
+from supervisor import config
+from supervisor.core.machine import State, Transitioned
+from supervisor.warm import Warm, prewarm
 
 MIB = 1 << 20
 

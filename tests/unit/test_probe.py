@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from supervisor import config
 from supervisor.config import ProbeConfig
-from supervisor.probe import (
+from supervisor.sglang.probe import (
     FAILURE_REASONS,
     MAX_BODY_BYTES,
     PROBE_PROMPT_ALLOWANCE,
@@ -831,8 +831,9 @@ async def test_read_progress_without_metrics_is_none(client: httpx.AsyncClient) 
 
 @pytest.mark.parametrize("kind", ["liveness", "readiness"])
 async def test_a_wrong_answer_is_not_excused_by_its_own_tokens(tmp_path: Path, kind: str) -> None:
-    from supervisor import command, probing
-    from supervisor.machine import ProbeDone, ProbeKind
+    from supervisor.core.machine import ProbeDone, ProbeKind
+    from supervisor.daemon import probing
+    from supervisor.sglang import argv as command
 
     generated = {"tokens": 15328}
 
@@ -980,9 +981,10 @@ async def test_daemon_probes_through_the_gate_never_overlap_and_are_aborted(
 ) -> None:
     # Two probes asked for at once (racing timers) against a server that never answers: the
     # server sees one at a time, each with its own rid, and each is aborted when it times out.
-    from supervisor import command, probing
-    from supervisor.machine import ProbeKind
-    from supervisor.probe import ProbeGate
+    from supervisor.core.machine import ProbeKind
+    from supervisor.daemon import probing
+    from supervisor.sglang import argv as command
+    from supervisor.sglang.probe import ProbeGate
 
     seen: dict[str, Any] = {"now": 0, "most": 0, "rids": [], "aborted": []}
     release = asyncio.Event()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from supervisor.config import ProbeConfig
-from supervisor.probe import FAILURE_REASONS, Progress, judge, parse_progress
+from supervisor.sglang.probe import FAILURE_REASONS, Progress, judge, parse_progress
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

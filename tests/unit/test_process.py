@@ -1,4 +1,4 @@
-"""supervisor.process and supervisor.signals in process: real children, real signals."""
+"""supervisor.process and supervisor.process.signals in process: real children, real signals."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import signals
-from supervisor.identity import OWNER_ENV, ProcessIdentity, identity_of
-from supervisor.logscan import Stream
-from supervisor.process import LAUNCH_ENV, Child, ProcessOwner
+from supervisor.process import LAUNCH_ENV, Child, ProcessOwner, signals
+from supervisor.process.identity import OWNER_ENV, ProcessIdentity, identity_of
+from supervisor.sglang.logscan import Stream
 
 # Prints its environment's markers, then lines on both streams; drains on SIGTERM unless told
 # to ignore it.

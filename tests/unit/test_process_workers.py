@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.identity import (
+from supervisor.process import Child, ProcessOwner, exit_status_of_zombie, worker_title
+from supervisor.process.identity import (
     OWNER_ENV,
     ProcessIdentity,
     identity_of,
@@ -26,8 +27,7 @@ from supervisor.identity import (
     live_process,
     session_members,
 )
-from supervisor.logscan import Stream
-from supervisor.process import Child, ProcessOwner, exit_status_of_zombie, worker_title
+from supervisor.sglang.logscan import Stream
 
 SERVER = textwrap.dedent(
     """

@@ -1,5 +1,5 @@
-"""Serving quality's pure verdicts (supervisor/quality.py), the golden store's content identity
-(supervisor/canary_store.py), and what the machine does with a canary mismatch and a
+"""Serving quality's pure verdicts (supervisor/quality/__init__.py), the golden store's content identity
+(supervisor/quality/golden.py), and what the machine does with a canary mismatch and a
 speculation collapse."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import quality as q
-from supervisor.canary_store import CanaryStore, Golden, golden_key, model_identity
-from supervisor.machine import (
+from supervisor.core.machine import (
     ChildGone,
     HostReady,
     Launched,
@@ -31,6 +30,7 @@ from supervisor.machine import (
     TimerName,
 )
 from supervisor.quality import Answer
+from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
 from tests.unit.test_machine import CFG, FALLBACK, Drive, make_cfg, ok_result
 
 
@@ -282,7 +282,7 @@ def safetensors(path: Path, header: dict[str, object], data: bytes) -> None:
 
 
 def test_identity_follows_content_not_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import supervisor.canary_store as cs
+    import supervisor.quality.golden as cs
 
     monkeypatch.setattr(cs, "SMALL_FILE_BYTES", 1024)  # the weights file counts as large
     a, b = tmp_path / "a", tmp_path / "b"

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import command, config, redact, sglang_key
-from supervisor.logpump import LogPump
-from supervisor.logscan import Stream
-from supervisor.metrics import Metrics
+from supervisor import config, redact
+from supervisor.daemon.logpump import LogPump
+from supervisor.daemon.metrics import Metrics
+from supervisor.sglang import api_key as sglang_key
+from supervisor.sglang import argv as command
+from supervisor.sglang.logscan import Stream
 
 KEY = "sk-live-0123456789abcdef"
 KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")

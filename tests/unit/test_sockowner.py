@@ -7,7 +7,7 @@ import ipaddress
 import os
 import socket
 
-from supervisor import sockowner
+from supervisor.admin import sockowner
 
 TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode

@@ -1,4 +1,5 @@
-"""supervisor.status in process: `kimi-serve status` against a real HTTP server on loopback."""
+"""supervisor.admin.status_command in process:
+`kimi-serve status` against a real HTTP server on loopback."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor import admin, config, router, status
-from supervisor.metrics import Metrics
+from supervisor import admin, config, router
+from supervisor.admin import status_command as status
+from supervisor.daemon.metrics import Metrics
 from testkit import free_port
 
 NOW = 1_700_000_000.0
@@ -227,7 +229,7 @@ def test_render_shows_how_often_an_event_repeated() -> None:
 
 
 def test_quality_line() -> None:
-    from supervisor.status import quality_line
+    from supervisor.admin.status_command import quality_line
 
     ok = {
         "canary": {"state": "matched"},

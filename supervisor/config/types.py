@@ -1,0 +1,324 @@
+"""Configuration, the typed result: the frozen dataclass of every section with its defaults,
+the names kimi-serve reserves in SGLang's args, and the errors a config read raises.
+
+`supervisor.config` parses a file into these; every name here is importable from there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+PRIMARY = "primary"
+
+ArgScalar = str | int | float | bool | None
+ArgValue = ArgScalar | tuple[ArgScalar, ...]
+
+# Flags kimi-serve sets itself from top-level keys; allowing them in `args` too would make the
+# command line ambiguous (argparse keeps the last one, silently).
+# SGLang's parser also takes `--model` for --model-path.
+RESERVED_ARGS = {
+    "model-path": "sglang.model_path",
+    "model": "sglang.model_path",
+    "host": "sglang.host",
+    "port": "sglang.port",
+}
+TP_ARGS = ("tp-size", "tensor-parallel-size", "tp")
+RESTART_MODES = ("relaunch", "exit")
+
+
+# --------------------------------------------------------------------------------------------
+# The typed result
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """An overlay on `sglang.args` / `sglang.env`; a None value removes the key."""
+
+    name: str
+    args: Mapping[str, ArgValue] = field(default_factory=dict)
+    env: Mapping[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    python: str
+    module: str
+    model_path: str
+    host: str
+    port: int
+    args: Mapping[str, ArgValue]
+    env: Mapping[str, str]
+    workdir: str | None
+    # SGLang's --api-key, from a file; handed over in <state_dir>/sglang-secrets.yaml, never
+    # on the command line (supervisor/sglang/api_key.py).
+    api_key_file: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    endpoint: str  # "generate" | "chat"
+    prompt: str
+    max_tokens: int
+    timeout: float
+    expect_regex: str | None
+
+
+@dataclass(frozen=True)
+class ReadinessConfig:
+    load_timeout: float
+    probe: ProbeConfig
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    interval: float
+    timeout: float
+    failure_threshold: int
+
+
+@dataclass(frozen=True)
+class CrashLoopConfig:
+    max_restarts: int
+    window: float
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial: float
+    backoff_max: float
+    crash_loop: CrashLoopConfig
+    fallback_profile: str | None
+    # After this long in `ready`, the backoff starts again from backoff_initial.
+    stable_after: float
+    # "relaunch": kimi-serve relaunches SGLang itself. "exit": where it would relaunch after a
+    # restart nobody asked for, it cleans up and exits EX_RESTART_BY_ORCHESTRATOR instead, so an
+    # orchestrator relaunches the whole group (a node of a multi-node replica cannot rejoin).
+    mode: str = "relaunch"
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    drain_timeout: float
+
+
+@dataclass(frozen=True)
+class GpusConfig:
+    manage: bool
+    devices: str | tuple[int | str, ...]  # "all" or indexes / UUIDs
+    leftover_policy: str  # "kill-matching" | "report-only"
+    match: tuple[str, ...]
+    memory_free_timeout: float
+    memory_free_threshold_mib: int
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    host: str
+    port: int
+    # Bearer token for the mutating endpoints; default <state_dir>/admin.token (docs/security.md).
+    token_file: str = ""
+    # Serving the endpoint beyond loopback must be asked for (admin.allow_remote).
+    allow_remote: bool = False
+
+    @property
+    def listen(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LogsConfig:
+    fatal_patterns: tuple[str, ...]
+    tail_lines: int
+
+
+# 20 incidents of a tp=8 server with native stacks, estimated at up to 5 MiB each
+# (docs/incidents.md): 256 MiB holds them with room, and is small beside the journal on /var.
+# 1 GiB free is what journald, package upgrades and the launch record need to keep working
+# after a burst.
+INCIDENTS_MAX_BYTES = 256 * 2**20
+INCIDENTS_MIN_FREE = 2**30
+
+
+@dataclass(frozen=True)
+class IncidentsConfig:
+    dir: str  # default <state_dir>/incidents
+    keep: int  # newest N kept
+    dump_timeout: float  # budget for stack dumps of a live, broken SGLang before the kill
+    # Bounds, so evidence never costs the host its disk: the incidents together stay under
+    # max_bytes (oldest removed first), and nothing large is written while the filesystem has
+    # less than min_free_bytes free (see docs/incidents.md).
+    max_bytes: int
+    min_free_bytes: int
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: str  # "json" | "console"
+    level: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Registration with an sglang-router / SMG in front of a fleet (docs/fleet.md)."""
+
+    url: str | None = None  # the router's own HTTP API; None: no registration
+    worker_url: str = ""  # how the router reaches this SGLang (resolved, never empty when url)
+    api_key_file: str | None = None
+    drain_timeout: float = 30.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """A replica that spans nodes (docs/multinode.md). The role comes from `sglang.args`
+    (`nnodes`, `node-rank`): rank 0 leads, ranks >= 1 follow; one node is `single`."""
+
+    role: str = "single"  # "single" | "leader" | "follower"
+    nnodes: int = 1
+    node_rank: int = 0
+    # The peers' admin endpoints: the leader lists its followers, a follower its leader.
+    peers: tuple[str, ...] = ()
+    # The leader's admin endpoint (`group.leader`): fills a follower's `peers`; the leader
+    # itself reads it as its own address. One file for every node (a LeaderWorkerSet).
+    leader: str | None = None
+    # The bearer token presented to the peers (the same token as their admin.token_file).
+    token_file: str = ""
+    poll_interval: float = 0.5
+    poll_timeout: float = 1.0
+    # A peer unreachable this long ends this node's launch (never a relaunch alone).
+    partition_timeout: float = 10.0
+
+    @property
+    def coordinated(self) -> bool:
+        """Relaunches are coordinated over the admin endpoints (bare metal)."""
+        return self.role != "single" and bool(self.peers)
+
+    @property
+    def answers(self) -> bool:
+        """This node takes part in the group protocol: it polls peers, or it is a leader,
+        which answers its followers' polls (GET /group) even when it lists none."""
+        return self.coordinated or self.role == "leader"
+
+
+# The canary's default prompt: short, plain text any base or chat model continues confidently.
+DEFAULT_CANARY_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+CANARY_POLICIES = ("gate", "alert")
+SPEC_COLLAPSE_ACTIONS = ("alert", "fallback")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    enabled: bool = True
+    prompt: str = DEFAULT_CANARY_PROMPT
+    max_tokens: int = 16
+    policy: str = "gate"  # gate | alert
+    interval: float = 600.0
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """Serving quality (docs/quality.md): the canary, speculation's accept length."""
+
+    canary: CanaryConfig = CanaryConfig()
+    spec_accept_floor: float = 1.3
+    on_spec_collapse: str = "alert"  # alert | fallback
+
+
+@dataclass(frozen=True)
+class WarmConfig:
+    """What makes a relaunch cheaper: the compile caches' root and the page-cache prewarm
+    (supervisor/warm/caches.py, supervisor/warm/prewarm.py; docs/benchmarks.md has the
+    measurements)."""
+
+    cache_dir: str  # default $CACHE_DIRECTORY (systemd's CacheDirectory=), else <state_dir>/cache
+    prewarm: str = "off"  # "auto" | "off"
+    prewarm_readers: int = 4
+    prewarm_headroom: int | None = None  # bytes kept free; None: 10% of MemTotal, at least 2 GiB
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str
+    sglang: SGLangConfig
+    profiles: Mapping[str, Profile]
+    readiness: ReadinessConfig
+    liveness: LivenessConfig
+    restart: RestartConfig
+    stop: StopConfig
+    gpus: GpusConfig
+    admin: AdminConfig
+    state_dir: str
+    logs: LogsConfig
+    logging: LoggingConfig
+    incidents: IncidentsConfig = field(
+        default_factory=lambda: IncidentsConfig(
+            "/var/lib/kimi-serve/incidents", 20, 10.0, INCIDENTS_MAX_BYTES, INCIDENTS_MIN_FREE
+        )
+    )
+    router: RouterConfig = RouterConfig()
+    group: GroupConfig = GroupConfig()
+    warm: WarmConfig = WarmConfig("/var/cache/kimi-serve")
+    quality: QualityConfig = QualityConfig()
+    # The line of every key in the file ("sglang.args.tp-size" -> 5), for errors found after
+    # parsing (SGLang's own parser rejecting a flag). Not part of what a reload compares.
+    key_lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def profile(self, name: str) -> Profile:
+        if name == PRIMARY:
+            return Profile(PRIMARY)
+        return self.profiles[name]
+
+    @property
+    def profile_names(self) -> tuple[str, ...]:
+        return (PRIMARY, *self.profiles)
+
+
+# Log lines that mean the server is broken even if its process is still up. SGLang spends ~65 s
+# in py-spy / CUDA-coredump steps after a scheduler exception before it exits
+# (docs/sglang.md, "Shutdown"), so reacting to the line itself saves a minute per crash.
+DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
+    # scheduler.py / detokenizer: `logger.error(f"Scheduler hit an exception: {traceback}")`,
+    # then SIGQUIT to the parent. A bare "Traceback" is not listed: a rejected client request
+    # can log one without the server being broken.
+    r"(Scheduler|DetokenizerManager|TokenizerManager) hit an exception",
+    r"Scheduler watchdog timeout",
+    r"CUDA out of memory|torch\.OutOfMemoryError|CUDA error: out of memory",
+    r"CUDA error: an illegal memory access",
+    r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError",
+    r"Initialization failed\. warmup error",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    path: str
+    line: int | None
+    message: str
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; carries every issue found."""
+
+    def __init__(self, file: str, issues: list[ConfigIssue]) -> None:
+        self.file = file
+        self.issues = issues
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = []
+        for issue in self.issues:
+            where = f"{self.file}:{issue.line}" if issue.line else self.file
+            key = f" {issue.path}:" if issue.path else ""
+            lines.append(f"{where}:{key} {issue.message}")
+        return "\n".join(lines)

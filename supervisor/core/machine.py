@@ -1,0 +1,468 @@
+"""The supervision state machine: (state, event, time) -> (new state, actions). No I/O.
+
+This is where every decision lives: when to launch, when SGLang counts as ready, when to
+restart, with which reason, how long to back off, when a crash loop switches to the fallback
+profile or gives up, what a reloaded file means, whether systemd is told READY=1 or only
+STATUS=, when a restart request is refused, which watchers a transition ends. The daemon only
+carries out the actions and feeds back events.
+
+Every state change goes through `_to()`, which checks the edge against `EDGES` and emits one
+`Transitioned` action (the daemon logs it, updates metrics and sends STATUS=).
+
+What each event does in each state, for the current launch (tests/unit/test_machine_table.py
+computes it and compares): the state it ends in, `=` when it acts but stays, `.` when it is
+ignored. An event of an earlier launch is always ignored. RSTR is shown with its old child
+still being stopped; once the child is gone the backoff timer moves it to CLEN.
+
+```table
+                       STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
+Start                  CLEN .    .    .    .    .    .    .    .    .    .    .
+HostReady              .    LNCH .    .    .    .    .    .    .    .    .    .
+HostNotReady           .    =    .    .    .    .    .    .    .    .    .    .
+HostNotReady wedged    .    FAIL .    .    .    .    .    .    .    .    .    .
+Launched               .    .    LOAD .    .    .    .    .    .    .    .    .
+LaunchFailed           .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen               .    .    .    WARM .    .    .    .    .    .    .    .
+ReadyLine              .    .    .    WARM .    .    .    .    .    .    .    .
+FatalLog               .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
+ChildExited            .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone              .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck        .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok           .    .    .    .    RDY  .    .    .    .    .    .    .
+readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
+readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
+timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
+timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
+timer liveness         .    .    .    .    .    =    =    =    .    .    .    .
+timer probe_retry      .    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry      .    =    .    .    .    .    .    .    .    .    .    .
+StopRequested          STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested       .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested        =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid     =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged   =    =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+GpuUnfit               .    FAIL .    .    .    .    .    .    .    .    .    .
+GpuFault report        =    =    =    =    =    =    =    =    =    =    .    .
+GpuFault restart       =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
+DrainRequested         .    .    .    .    .    DRN  DRN  .    .    .    .    .
+UndrainRequested       .    .    .    .    .    .    .    RDY  .    .    .    .
+GroupEnded             .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+SpecCollapsed fallback .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.config import PRIMARY
+from supervisor.core.context import (
+    _REQUESTED as _REQUESTED,
+)
+from supervisor.core.context import (
+    ILLEGAL,
+    PROBE_RETRY_DELAY,
+    Context,
+    IllegalTransition,
+    _how,
+)
+from supervisor.core.drain_rules import DrainRules
+from supervisor.core.events import (
+    Action,
+    CancelTimer,
+    CheckIntent,
+    ChildExited,
+    ChildGone,
+    CleanHost,
+    ConfigRead,
+    DrainRequested,
+    Event,
+    Exit,
+    FatalLog,
+    GpuFault,
+    GpuUnfit,
+    GroupEnded,
+    HostNotReady,
+    HostReady,
+    Launch,
+    Launched,
+    LaunchFailed,
+    NotifyReady,
+    NotifyReloaded,
+    NotifyReloading,
+    PortOpen,
+    ProbeDone,
+    ProfileChanged,
+    ReadConfig,
+    ReadyLine,
+    RecordRestart,
+    ReloadRequested,
+    RestartRequested,
+    RouterDeregister,
+    RouterRegister,
+    SetTimer,
+    SpecCollapsed,
+    Start,
+    StartProbe,
+    StopChild,
+    StopRequested,
+    TimerFired,
+    Transitioned,
+    UndrainRequested,
+    Verdict,
+)
+from supervisor.core.group_rules import (
+    PeerView,
+    epoch_running,
+    follower_ends,
+    follower_failed_ends,
+    follower_may_join,
+    group_ready,
+    leader_ends,
+)
+from supervisor.core.probe_rules import ProbeRules
+from supervisor.core.states import (
+    CHILD_STATES,
+    EDGES,
+    PROBED,
+    SERVING,
+    STARTUP_STATES,
+    ProbeKind,
+    Reason,
+    State,
+    TimerName,
+)
+from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
+
+# The import surface: every state, event, action and group verdict stays importable from here.
+__all__ = [
+    "CHILD_STATES",
+    "EDGES",
+    "EX_RESTART_BY_ORCHESTRATOR",
+    "ILLEGAL",
+    "PROBED",
+    "PROBE_RETRY_DELAY",
+    "SERVING",
+    "STARTUP_STATES",
+    "Action",
+    "CancelTimer",
+    "CheckIntent",
+    "ChildExited",
+    "ChildGone",
+    "CleanHost",
+    "ConfigRead",
+    "Context",
+    "DrainRequested",
+    "Event",
+    "Exit",
+    "FatalLog",
+    "GpuFault",
+    "GpuUnfit",
+    "GroupEnded",
+    "HostNotReady",
+    "HostReady",
+    "IllegalTransition",
+    "Launch",
+    "LaunchFailed",
+    "Launched",
+    "Machine",
+    "NotifyReady",
+    "NotifyReloaded",
+    "NotifyReloading",
+    "PeerView",
+    "PortOpen",
+    "ProbeDone",
+    "ProbeKind",
+    "ProfileChanged",
+    "ReadConfig",
+    "ReadyLine",
+    "Reason",
+    "RecordRestart",
+    "ReloadRequested",
+    "RestartRequested",
+    "RouterDeregister",
+    "RouterRegister",
+    "SetTimer",
+    "SpecCollapsed",
+    "Start",
+    "StartProbe",
+    "State",
+    "StopChild",
+    "StopRequested",
+    "TimerFired",
+    "TimerName",
+    "Transitioned",
+    "UndrainRequested",
+    "Verdict",
+    "WatchesEnd",
+    "epoch_running",
+    "extends_job",
+    "follower_ends",
+    "follower_failed_ends",
+    "follower_may_join",
+    "group_ready",
+    "leader_ends",
+    "watches_end",
+]
+
+
+class Machine(ProbeRules, DrainRules):
+    """Every decision, by concern: the core and `Context` (machine_context), the restarts
+    (machine_restarts), the probes (machine_probes), drain and router (machine_drain), and here
+    the entry point and the rest of the events."""
+
+    # ------------------------------------------------------------------ entry point
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Decide what `event` means in the current state. Stale events are dropped."""
+        before = self.ctx.state
+        match event:
+            case DrainRequested():
+                actions = self._drain(now)
+            case UndrainRequested():
+                actions = self._undrain(now)
+            case _:
+                actions = self._decide(event, now)
+        return self._with_router(before, actions)
+
+    def _decide(self, event: Event, now: float) -> list[Action]:
+        ctx = self.ctx
+        match event:
+            case StopRequested():
+                return self._stop(event, now)
+            case Start() if ctx.state is State.STARTING:
+                return [*self._to(State.CLEANING, "started", now), CleanHost()]
+            case HostReady() | HostNotReady() if ctx.state is State.STOPPING and ctx.handing_over:
+                return self._handed_over(event, now)
+            case HostReady() if ctx.state is State.CLEANING:
+                return self._launch(now)
+            case HostNotReady() if ctx.state is State.CLEANING:
+                return self._host_not_ready(event, now)
+            case GpuUnfit() if ctx.state is State.CLEANING:
+                # Never launch onto a GPU that needs a reset, a reboot or a replacement: every
+                # relaunch would be another long load that fails. Only an operator can fix it.
+                ctx.host_message = event.line
+                return self._to(State.FAILED, "gpu_unfit", now, event.line)
+            case GpuFault():
+                return self._gpu_fault(event, now)
+            case TimerFired(name=TimerName.CLEAN_RETRY) if ctx.state is State.CLEANING:
+                return [CleanHost()]
+            case Launched() if self._current(event.launch) and ctx.state is State.LAUNCHING:
+                ctx.launched_at = now
+                return [
+                    *self._to(State.LOADING, "launched", now, f"pid {event.pid}"),
+                    SetTimer(TimerName.LOAD, self.cfg.readiness.load_timeout, ctx.launch),
+                ]
+            case LaunchFailed() if self._current(event.launch) and ctx.child:
+                # The exec itself failed: no process exists, so nothing needs stopping.
+                if ctx.state is State.LAUNCHING:
+                    ctx.child = False
+                    return self._restart(Reason.EXITED, now, event.message)
+                return self._child_gone(ChildGone(event.launch, None, None), now)
+            case PortOpen() | ReadyLine() if self._current(event.launch):
+                return self._server_up(event, now)
+            case SpecCollapsed() if self._current(event.launch) and ctx.state in PROBED:
+                return self._spec_collapsed(event, now)
+            case GroupEnded() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                return self._restart(Reason.GROUP, now, event.detail)
+            case FatalLog() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                return self._restart(Reason.FATAL_LOG, now, event.line)
+            case FatalLog() if self._current(event.launch) and self._explains_exit():
+                return self._fatal_explains_exit(event, now)
+            case ChildExited() if self._current(event.launch) and ctx.state in CHILD_STATES:
+                how = _how(event.exit_code, event.signal)
+                detail = f"{event.process} {how}" if event.process else how
+                return self._restart(Reason.EXITED, now, detail)
+            case ProbeDone() if self._current(event.launch):
+                ctx.probe_in_flight = False
+                return self._probe_done(event, now)
+            case ChildGone() if self._current(event.launch) and ctx.child:
+                return self._child_gone(event, now)
+            case TimerFired() if self._current(event.launch):
+                return self._timer(event, now)
+            case RestartRequested():
+                return self._requested(event, now)
+            case ReloadRequested():
+                # RELOADING=1 opens a reload job; before the first READY=1 the start job is
+                # still open and a reload job would confuse it.
+                return [*([NotifyReloading()] if ctx.ever_ready else []), ReadConfig()]
+            case ConfigRead():
+                return self._config_read(event, now)
+        return []
+
+    def refuse_restart(self) -> str | None:
+        """Why an operator's restart request (POST /restart) is refused, or None."""
+        if self.ctx.state in (State.STOPPING, State.STOPPED):
+            return "the daemon is stopping"
+        return None
+
+    def _config_read(self, event: ConfigRead, now: float) -> list[Action]:
+        ready = self.ctx.ever_ready
+        if event.verdict is Verdict.INVALID:
+            return [NotifyReloaded(ready, " (reload refused: config invalid)")]
+        # Unchanged while `failed`: `failed` lasts until a reload, and the operator fixed the
+        # host, not the file.
+        if event.verdict is Verdict.UNCHANGED and self.ctx.state is not State.FAILED:
+            return [NotifyReloaded(ready)]
+        again = RestartRequested(Reason.RELOAD, back_to_primary=True)
+        return [NotifyReloaded(ready), *self._requested(again, now)]
+
+    # ------------------------------------------------------------------ per event
+
+    def _host_not_ready(self, event: HostNotReady, now: float) -> list[Action]:
+        self.ctx.host_message = event.message
+        if event.wedged:
+            return self._to(State.FAILED, "gpu_wedged", now, event.message)
+        # A host problem (memory still held, port busy) may clear by itself; retry with a
+        # backoff of its own (a slow mount must not lengthen the next crash's backoff) and say
+        # why in STATUS meanwhile: old == new marks an update of the same state.
+        rcfg = self.cfg.restart
+        delay = min(max(rcfg.backoff_initial, 1.0) * 2**self.ctx.host_retries, rcfg.backoff_max)
+        self.ctx.host_retries += 1
+        return [
+            Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", event.message),
+            SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch),
+        ]
+
+    def _gpu_fault(self, event: GpuFault, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.STOPPING, State.STOPPED):
+            return []
+        if event.restart and ctx.state in CHILD_STATES:
+            # SIGKILL, no drain: a lost GPU cannot finish requests. The next cleaning reads
+            # fitness again and goes `failed` if the GPU still needs the action.
+            return self._restart(Reason.GPU_FAULT, now, event.line)
+        # Reported at once (old == new marks an update of the same state); the server keeps
+        # serving when the driver asks for nothing.
+        return [Transitioned(ctx.state, ctx.state, "gpu_fault", event.line)]
+
+    def _launch(self, now: float) -> list[Action]:
+        ctx = self.ctx
+        ctx.launch += 1
+        ctx.child = True
+        ctx.launched_at = None
+        ctx.ready_at = None
+        ctx.probe_in_flight = False
+        ctx.liveness_failures = 0
+        ctx.pending = None
+        ctx.host_message = ""
+        ctx.host_retries = 0
+        return [
+            *self._to(State.LAUNCHING, "host_ready", now, f"profile {ctx.profile}"),
+            Launch(ctx.launch, ctx.profile),
+        ]
+
+    def _timer(self, event: TimerFired, now: float) -> list[Action]:
+        ctx = self.ctx
+        match event.name:
+            case TimerName.LOAD if ctx.state in (State.LAUNCHING, State.LOADING, State.WARMING):
+                budget = self.cfg.readiness.load_timeout
+                return self._restart(Reason.LOAD_TIMEOUT, now, f"no decode within {budget:g}s")
+            case TimerName.PROBE_RETRY if ctx.state is State.WARMING and not ctx.probe_in_flight:
+                ctx.probe_in_flight = True
+                return [StartProbe(ctx.launch, ProbeKind.READINESS, canary=self._canary_on)]
+            case TimerName.LIVENESS if ctx.state in PROBED and not ctx.probe_in_flight:
+                ctx.probe_in_flight = True
+                # quality.canary.interval: the first liveness probe after it carries the
+                # canary, so there is never a second probe in flight.
+                last = ctx.canary_at
+                due = last is None or now - last >= self.cfg.quality.canary.interval
+                canary = due and self._canary_on
+                if canary:
+                    ctx.canary_at = now
+                return [StartProbe(ctx.launch, ProbeKind.LIVENESS, canary=canary)]
+            # Never relaunch while a process of the old launch may still hold the GPUs.
+            case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
+                return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
+        return []
+
+    def _requested(self, event: RestartRequested, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.STOPPING, State.STOPPED):
+            return []
+        actions: list[Action] = []
+        if event.back_to_primary and ctx.profile != PRIMARY:
+            actions.append(ProfileChanged(ctx.profile, PRIMARY))
+            ctx.profile = PRIMARY
+        if event.back_to_primary or ctx.state is State.FAILED:
+            ctx.restarts.clear()
+            ctx.backoff = self.cfg.restart.backoff_initial
+        if ctx.state is State.FAILED:
+            return [
+                *actions,
+                RecordRestart(event.reason, None, None, "requested"),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state is State.RESTARTING and not ctx.child:
+            # Waiting out a backoff: go now.
+            return [
+                *actions,
+                CancelTimer(TimerName.BACKOFF),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state in (State.STARTING, State.CLEANING, State.RESTARTING):
+            return actions  # nothing runs yet (or a stop is already under way)
+        return [*actions, *self._restart(event.reason, now, "requested")]
+
+    def _stop(self, event: StopRequested, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state is State.STOPPED:
+            return []
+        if ctx.state is State.STOPPING:
+            # A second SIGTERM/SIGINT while draining: stop waiting, kill now.
+            return [StopChild(ctx.launch, graceful=False)] if ctx.child else []
+        timers = [CancelTimer(n) for n in TimerName]
+        actions: list[Action] = [*self._to(State.STOPPING, event.signal_name, now), *timers]
+        if ctx.child:
+            return [*actions, StopChild(ctx.launch, graceful=True)]
+        return [*actions, *self._to(State.STOPPED, "no_child", now), Exit(0)]
+
+    def _explains_exit(self) -> bool:
+        # A restart for a death is under way and the old launch is still being stopped (its
+        # pipes are drained before ChildGone): a fatal line read now is why it died.
+        ctx = self.ctx
+        return ctx.state is State.RESTARTING and ctx.child and ctx.pending is Reason.EXITED
+
+    def _fatal_explains_exit(self, event: FatalLog, now: float) -> list[Action]:
+        """A traceback, then death by signal 9: SGLang's scheduler logs its exception and, with
+        SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1, SIGKILLs its whole process group at once
+        (managers/scheduler.py:6372-6380). The pidfd can report the death before the pipe
+        delivers the traceback's last line; the restart is the traceback's (`fatal_log`), and
+        the exit is kept as it was."""
+        ctx = self.ctx
+        ctx.pending = Reason.FATAL_LOG
+        ctx.pending_detail = event.line
+        return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
+
+
+def extends_job(state: State, ever_ready: bool) -> bool:
+    """Whether systemd's start (or stop) job is still running and must be extended.
+
+    Until the first READY=1 the start job runs: it is extended through loads, probes and the
+    backoffs between them, or a crash loop would time the start out before the fallback profile
+    is ever tried. Not in `failed`: a start that cannot succeed should fail, not hang
+    `systemctl start` for ever.
+    """
+    if state is State.STOPPING:
+        return True
+    return not ever_ready and state in (*STARTUP_STATES, State.RESTARTING)
+
+
+@dataclass(frozen=True)
+class WatchesEnd:
+    """Which watchers of the launch a transition ends."""
+
+    port: bool  # the port watcher (it only matters while launching/loading)
+    tree: bool  # the descendant recorder (kept while a stop may still need the tree)
+
+
+def watches_end(t: Transitioned) -> WatchesEnd:
+    if t.old is State.LOADING or t.new not in (State.LAUNCHING, State.LOADING):
+        return WatchesEnd(port=True, tree=t.new not in (State.RESTARTING, State.STOPPING))
+    return WatchesEnd(port=False, tree=False)

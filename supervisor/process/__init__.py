@@ -1,0 +1,570 @@
+"""Owning SGLang's processes: spawn, pump output, notice death, stop, sweep.
+
+- SGLang runs in a session (and process group) of its own, so one killpg reaches the scheduler
+  and detokenizer children (docs/sglang.md, "Processes"; `SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`
+  relies on it).
+- Death is noticed through a pidfd on the event loop: no polling delay, no thread. asyncio's own
+  `Process.wait()` is not used because it only returns once every pipe is closed, and SGLang's
+  children inherit its stdout: an orphaned scheduler would hide the main process's death.
+- Any SGLang process of the launch dying counts, not only the main one: each recorded worker
+  (scheduler, detokenizer, multiprocessing's resource tracker) gets a pidfd of its own. Real
+  SGLang's main process notices a dead scheduler only after sleeping 5 s, and its HTTP requests
+  hang meanwhile (docs/sglang.md); here the death is reported at once through `on_exit`.
+- Children that escape the group (a child still loading sets PR_SET_PDEATHSIG only later,
+  sglang #23627) are found by their recorded (pid, create time), by the session of the launch
+  (its main process is the session leader), and by an environment marker every process of ours
+  inherits (which setproctitle wipes in SGLang's workers unless SPT_NOENV=1); identity is
+  checked before any signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import psutil
+
+from supervisor import log
+from supervisor.process import signals
+from supervisor.process.identity import (
+    OWNER_ENV,
+    ProcessIdentity,
+    descendants,
+    identity_of,
+    launch_leader,
+    live_process,
+    session_members,
+    signal_identity,
+)
+from supervisor.sglang.logscan import Stream
+
+LAUNCH_ENV = "KIMI_SERVE_LAUNCH"
+_F_SETPIPE_SZ = 1031
+_PIPE_BYTES = 1 << 20  # room for a burst of log lines while the loop is busy elsewhere
+_READ_CHUNK = 1 << 16
+# After SIGKILL a process is gone within milliseconds (a few seconds for a large CUDA context);
+# one still there after this is stuck in the kernel.
+STUCK_AFTER_KILL_S = 30.0
+
+LineSink = Callable[[int, Stream, list[str]], None]
+
+
+@dataclass
+class ExitInfo:
+    exit_code: int | None
+    signal: int | None
+    # Processes of the launch still alive after SIGKILL: stuck in the kernel (D state, inside
+    # the GPU driver). No signal reaches them; relaunching on their GPUs is pointless.
+    stuck: tuple[int, ...] = ()
+    # Which process this exit is: "" for the main process, else a worker of SGLang's, e.g.
+    # "sglang::scheduler (pid 4242)".
+    process: str = ""
+
+
+# SGLang's own processes of a launch, by command line: multiprocessing spawn children (before
+# setproctitle runs), the resource tracker, and the titles SGLang sets (`sglang::scheduler`,
+# `sglang::scheduler_TP3`, `sglang::detokenizer`, ...). Not a compiler or nvidia-smi a worker
+# runs for a moment: those exit by design.
+_WORKER_MARKS = ("multiprocessing.spawn", "multiprocessing.resource_tracker", "sglang::")
+
+
+SPAWN_TITLE = "multiprocessing.spawn child"  # a worker before setproctitle ran in it
+
+# SGLang's main process ends its workers before it exits (`kill_process_tree`,
+# sglang/srt/utils/common.py): a worker's death is then seen a moment before the main exit
+# that explains it. The report waits this long for the main process; readiness does not.
+MAIN_SETTLE_S = 0.2
+
+
+def worker_title(cmdline: list[str]) -> str | None:
+    """A short name for an SGLang worker process, or None if the command line is not one."""
+    joined = " ".join(a for a in cmdline if a)
+    if not any(m in joined for m in _WORKER_MARKS):
+        return None
+    if cmdline and cmdline[0].startswith("sglang::"):
+        return cmdline[0]
+    if "resource_tracker" in joined:
+        return "multiprocessing.resource_tracker"
+    return SPAWN_TITLE
+
+
+def exit_status_of_zombie(pid: int, proc_root: str = "/proc") -> tuple[int | None, int | None]:
+    """(exit code, signal) of a process that is a zombie now, from /proc/PID/stat field 52.
+
+    The exit of a process that is not our child cannot be waited for; until its parent reaps
+    it the kernel still shows it. (None, None) once it is reaped or when it is not a zombie.
+    """
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None, None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    # fields[0] is field 3 (state); field 52 (exit_code, Linux 3.5+) is fields[49].
+    if len(fields) < 50 or fields[0] != "Z" or not fields[49].lstrip("-").isdigit():
+        return None, None
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None, None
+
+
+@dataclass
+class Child:
+    """One launch of SGLang and what we know of its process tree."""
+
+    launch: int
+    popen: subprocess.Popen[bytes]
+    identity: ProcessIdentity
+    started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
+    known: set[ProcessIdentity] = field(default_factory=set)
+    # Set once the main process is reaped.
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set to cut a graceful stop's drain short (a second SIGTERM while draining).
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_begun: bool = False
+    stop_done: bool = False  # every process of the launch gone (or stuck), pipes closed
+    pipes_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # How the launch ended: the first of its processes to die (the main one or a worker), as
+    # reported through on_exit. A worker's death while we stop the launch does not count.
+    exit: ExitInfo | None = None
+    main_exit: ExitInfo | None = None
+    # Workers watched by a pidfd: identity -> title, and -> the pid of its parent.
+    watched: dict[ProcessIdentity, str] = field(default_factory=dict)
+    parents: dict[ProcessIdentity, int] = field(default_factory=dict)
+    # A worker died: readiness ends now, the report waits MAIN_SETTLE_S for the main process.
+    dying: bool = False
+    stopping: bool = False
+    _open_pipes: int = 2
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Every watched process of the launch is still there."""
+        return self.exit is None and not self.dying
+
+    def main_alive(self) -> bool:
+        return not self.exited.is_set()
+
+
+async def wait_port_open(host: str, port: int, interval: float = 0.1) -> None:
+    """Returns once a TCP connect to host:port succeeds."""
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(interval)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+
+
+def _set_nonblocking(fd: int) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+
+
+def _grow_pipe(fd: int) -> None:
+    # Best effort: unprivileged users are capped by /proc/sys/fs/pipe-max-size.
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+
+
+class _Pump:
+    """Reads one pipe without ever blocking the writer for longer than the loop needs."""
+
+    def __init__(self, child: Child, stream: Stream, fd: int, sink: LineSink) -> None:
+        self.child = child
+        self.stream = stream
+        self.fd = fd
+        self.sink = sink
+        self.partial = b""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        data = self.partial + data
+        parts = data.split(b"\n")
+        self.partial = parts.pop()
+        if len(self.partial) > _READ_CHUNK:  # a line without end: deliver what we have
+            parts.append(self.partial)
+            self.partial = b""
+        if parts:
+            self.sink(
+                self.child.launch,
+                self.stream,
+                [p.decode("utf-8", "replace").rstrip("\r") for p in parts],
+            )
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        asyncio.get_running_loop().remove_reader(self.fd)
+        if self.partial:
+            self.sink(self.child.launch, self.stream, [self.partial.decode("utf-8", "replace")])
+            self.partial = b""
+        os.close(self.fd)
+        self.fd = -1
+        self.child._open_pipes -= 1
+        if self.child._open_pipes <= 0:
+            self.child.pipes_closed.set()
+
+
+def _ignore_lines(_launch: int, _stream: Stream, _lines: list[str]) -> None:
+    pass
+
+
+def _ignore_exit(_child: Child) -> None:
+    pass
+
+
+class ProcessOwner:
+    """Spawns and stops SGLang; the only code that sends signals to it."""
+
+    def __init__(
+        self,
+        owner: str,
+        sink: LineSink = _ignore_lines,
+        on_exit: Callable[[Child], None] = _ignore_exit,
+    ) -> None:
+        self.owner = owner
+        self.sink = sink
+        self.on_exit = on_exit
+        self._pumps: dict[int, list[_Pump]] = {}
+        self._worker_fds: dict[int, set[int]] = {}
+
+    def bind(self, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
+        """Where SGLang's lines and its exit go (the daemon's log pump and its queue)."""
+        self.sink = sink
+        self.on_exit = on_exit
+
+    def hurry(self, child: Child) -> None:
+        """A stop is draining: stop waiting, SIGKILL the group now; the running stop finishes."""
+        child.hurry.set()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+    def spawn(
+        self,
+        launch: int,
+        argv: Iterable[str],
+        env_add: Mapping[str, str],
+        workdir: str | None,
+    ) -> Child:
+        """Start SGLang. Raises OSError (e.g. no such interpreter) with the reason."""
+        env = dict(os.environ)
+        # Our own notify socket belongs to us: SGLang must not talk to systemd in our name.
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
+            env.pop(name, None)
+        env.update(env_add)
+        env[OWNER_ENV] = self.owner
+        env[LAUNCH_ENV] = f"{os.getpid()}-{launch}"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+            close_fds=True,
+        )
+        ident = identity_of(popen.pid) or ProcessIdentity(popen.pid, time.time())
+        child = Child(
+            launch=launch,
+            popen=popen,
+            identity=ident,
+            started_at=time.time(),
+            known={ident},
+        )
+        assert popen.stdout is not None and popen.stderr is not None
+        pumps = []
+        for stream, pipe in ((Stream.STDOUT, popen.stdout), (Stream.STDERR, popen.stderr)):
+            fd = os.dup(pipe.fileno())
+            pipe.close()
+            _set_nonblocking(fd)
+            _grow_pipe(fd)
+            pumps.append(_Pump(child, stream, fd, self.sink))
+        self._pumps[launch] = pumps
+        self._watch_exit(child)
+        return child
+
+    def _watch_exit(self, child: Child) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(child.pid)
+        except OSError:
+            # Kernel without pidfd (< 5.3): a thread blocked in waitpid is the fallback.
+            loop.run_in_executor(None, child.popen.wait).add_done_callback(
+                lambda _f: self._reaped(child)
+            )
+            return
+
+        def readable() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            child.popen.wait()
+            self._reaped(child)
+
+        loop.add_reader(pidfd, readable)
+
+    def _reaped(self, child: Child) -> None:
+        rc = child.popen.returncode
+        child.main_exit = ExitInfo(
+            exit_code=rc if rc is not None and rc >= 0 else None,
+            signal=-rc if rc is not None and rc < 0 else None,
+        )
+        child.exited.set()
+        self._launch_ended(child, child.main_exit)
+
+    def _launch_ended(self, child: Child, info: ExitInfo) -> None:
+        # One report per launch: the first death is the one that explains the restart.
+        if child.exit is not None:
+            return
+        child.exit = info
+        self.on_exit(child)
+
+    def _watch_worker(self, child: Child, ident: ProcessIdentity, title: str) -> None:
+        """A pidfd on one of SGLang's worker processes: its death ends the launch at once."""
+        try:
+            pidfd = os.pidfd_open(ident.pid)
+        except OSError:
+            return  # already gone (the main process will follow), or no pidfd: main only
+        if live_process(ident) is None:  # the pid was reused before the pidfd was opened
+            os.close(pidfd)
+            return
+        loop = asyncio.get_running_loop()
+        child.watched[ident] = title
+
+        fds = self._worker_fds.setdefault(child.launch, set())
+
+        def readable() -> None:
+            fds.discard(pidfd)
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self._worker_died(child, ident, title)
+
+        loop.add_reader(pidfd, readable)
+        fds.add(pidfd)
+
+    def _worker_died(self, child: Child, ident: ProcessIdentity, title: str) -> None:
+        if child.stopping or child.exit is not None or child.dying:
+            return  # we are stopping it, or its end is already reported
+        code, sig = exit_status_of_zombie(ident.pid)
+        # PR_SET_PDEATHSIG: when the main process dies its workers are killed by the kernel,
+        # after the main is already a zombie. Then the main's death is the one that happened.
+        if child.popen.poll() is not None:
+            if not child.exited.is_set():
+                self._reaped(child)
+            return
+        title = child.watched.get(ident, title)  # as refresh_tree last named it
+        parent = child.parents.get(ident)
+        if parent is not None and parent != child.pid and sig is None and code in (0, None):
+            # A child of a worker, not of SGLang's main process, that ended with status 0 or
+            # was reaped at once by the worker that waited for it: a helper (`ldconfig -p`,
+            # `lscpu`, caught between fork and exec with its parent's command line), not a
+            # worker. A hang this leaves behind is the liveness probe's to find.
+            log.get().info(
+                "an SGLang helper process ended: not a death of the launch",
+                process=f"{title} (pid {ident.pid})",
+                exit_code=code,
+                parent=parent,
+            )
+            return
+        child.dying = True
+        info = ExitInfo(code, sig, process=f"{title} (pid {ident.pid})")
+        asyncio.get_running_loop().create_task(self._settle(child, info))
+
+    async def _settle(self, child: Child, info: ExitInfo) -> None:
+        """Report a worker's death unless the main process's own exit follows at once."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(MAIN_SETTLE_S):
+                await child.exited.wait()
+        self._launch_ended(child, info)  # a no-op if the main process's exit came first
+
+    def refresh_tree(self, child: Child) -> bool:
+        """Record descendants seen now, and watch SGLang's workers among them.
+
+        True if something new was recorded.
+        """
+        if not child.main_alive() or child.stopping:
+            return False
+        new = set(descendants(child.pid)) - child.known
+        child.known |= new
+        for ident, seen in list(child.watched.items()):
+            # First seen as a bare spawn child, before setproctitle named it: the name it has
+            # now is the one a restart's detail must give (`sglang::scheduler`).
+            if seen == SPAWN_TITLE:
+                child.watched[ident] = _title_of(ident) or seen
+        if child.exit is None:
+            for ident in sorted(new):
+                found = _worker_of(ident)
+                if found is not None:
+                    child.parents[ident] = found[1]
+                    self._watch_worker(child, ident, found[0])
+        return bool(new)
+
+    def leftovers(self, recorded: Iterable[ProcessIdentity]) -> set[ProcessIdentity]:
+        """Every live process of an earlier launch: the recorded ones, the members of its
+        session (the launch's main process is the session leader), and the marked ones.
+
+        The session is the evidence that survives setproctitle wiping a worker's environment
+        (and with it the owner marker) and a worker that appeared after the record was saved.
+        """
+        recorded = set(recorded)
+        found = {i for i in recorded if live_process(i) is not None}
+        return found | self.evident(recorded)
+
+    def evident(self, recorded: Iterable[ProcessIdentity]) -> set[ProcessIdentity]:
+        """The processes of an earlier launch with evidence beyond the record's word: members
+        of the session its main process led (the main process itself excepted: the record is
+        what names it) and those carrying our owner marker, all of our uid."""
+        leader = launch_leader(recorded)
+        found = set(self.marked_processes())
+        if leader is not None:
+            found |= {i for i in session_members(leader) if i.pid != leader.pid}
+        return found
+
+    def marked_processes(self) -> list[ProcessIdentity]:
+        """Live processes of our uid carrying our owner marker (any launch, any daemon run).
+        Anyone can set the variable: another user's process is never ours."""
+        found = []
+        me, uid = os.getpid(), os.getuid()
+        for proc in psutil.process_iter(["pid"]):
+            if proc.pid == me:
+                continue
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.environ().get(OWNER_ENV) == self.owner:
+                    if proc.status() == psutil.STATUS_ZOMBIE or proc.uids().real != uid:
+                        continue
+                    found.append(ProcessIdentity(proc.pid, proc.create_time()))
+        return found
+
+    async def stop(self, child: Child, graceful: bool, drain_timeout: float) -> ExitInfo:
+        """Stop the launch: SIGTERM + drain (if graceful), SIGKILL the group, sweep escapees.
+
+        Returns once no process of the launch is alive, or once STUCK_AFTER_KILL_S has passed
+        with some still there (stuck in the kernel; listed in ExitInfo.stuck).
+        """
+        child.stop_begun = True
+        self.refresh_tree(child)
+        # From here on a worker's death is the stop at work, not news.
+        child.stopping = True
+        if graceful and child.main_alive() and not child.hurry.is_set():
+            signal_identity(child.identity, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_timeout):
+                    await _first(child.exited, child.hurry)
+        if child.main_alive():
+            child.known |= set(descendants(child.pid))
+        # The group outlives its leader while members exist, and Linux does not reuse a pid
+        # that still names a process group, so this reaches only our launch.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        members = session_members(child.identity)
+        await self.sweep(child.known | set(members) | set(self.marked_processes()))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STUCK_AFTER_KILL_S):
+                await child.exited.wait()
+        # Pipes close once every writer is dead; a writer we could not find must not hang us.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await child.pipes_closed.wait()
+        for pump in self._pumps.pop(child.launch, []):
+            pump.close()
+        self._close_worker_fds(child.launch)
+        stuck = tuple(i.pid for i in self.survivors(child))
+        child.stop_done = True
+        # The exit as it was: the first death if the launch ended by itself, else the main's.
+        ended = child.exit or child.main_exit
+        if ended is None:
+            return ExitInfo(None, None, stuck or (child.pid,))
+        return ExitInfo(ended.exit_code, ended.signal, stuck, ended.process)
+
+    def _close_worker_fds(self, launch: int) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._worker_fds.pop(launch, set()):
+            loop.remove_reader(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    async def sweep(
+        self,
+        identities: Iterable[ProcessIdentity],
+        grace: float | None = None,
+        timeout: float = 5.0,
+    ) -> list[ProcessIdentity]:
+        """Kill the listed processes (identity-checked): SIGTERM first when a grace is given.
+
+        Returns those still alive at the deadline (stuck in D state: beyond any signal).
+        """
+        done = await signals.terminate(identities, grace=grace, kill_wait=timeout)
+        return done.alive
+
+    def survivors(self, child: Child) -> list[ProcessIdentity]:
+        return [i for i in child.known if live_process(i) is not None]
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def _worker_of(ident: ProcessIdentity) -> tuple[str, int] | None:
+    """(title, parent pid) of one of SGLang's workers; None for anything else.
+
+    A fork that has not exec'd carries its parent's command line (`sglang::scheduler`, or
+    the spawn line before setproctitle ran): a helper of that worker, never one SGLang
+    spawned (multiprocessing's spawn context starts every worker as a new program).
+    """
+    proc = live_process(ident)
+    if proc is None:
+        return None
+    try:
+        cmdline = proc.cmdline()
+        parent = proc.parent()
+        title = worker_title(cmdline)
+        if title is None or parent is None:
+            return None
+        if cmdline == parent.cmdline():
+            return None
+        return title, parent.pid
+    except (psutil.Error, OSError):
+        return None
+
+
+def _title_of(ident: ProcessIdentity) -> str | None:
+    proc = live_process(ident)
+    if proc is None:
+        return None
+    try:
+        return worker_title(proc.cmdline())
+    except (psutil.Error, OSError):
+        return None

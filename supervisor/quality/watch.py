@@ -1,0 +1,375 @@
+"""Serving quality, the effects: the canary request and its golden answer, speed and accept
+length read from every probe and SGLang's gauge, the decode path read from SGLang's lines.
+
+The verdicts are quality.py's (pure); the machine decides what a mismatch before ready and a
+speculation collapse with `on_spec_collapse: fallback` mean (machine.Machine._probe_done,
+_spec_collapsed). Everything else is reported only: /status.quality, the kimi_serve_canary_ok,
+kimi_serve_spec_accept_length, kimi_serve_decode_tokens_per_second and
+kimi_serve_quality_degraded{reason} series, and one log event per change (docs/quality.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from supervisor import log
+from supervisor.config import Config
+from supervisor.core.machine import ProbeDone, SpecCollapsed
+from supervisor.daemon.metrics import Metrics
+from supervisor.quality import (
+    CANARY_MISMATCH,
+    DEGRADED_REASONS,
+    DISABLED,
+    LEARNED,
+    MATCHED,
+    MISMATCH,
+    NO_CUDA_GRAPH,
+    SLOW_DECODE,
+    SPEC_COLLAPSE,
+    UNKNOWN,
+    Answer,
+    GraphWatch,
+    SpecWatch,
+    SpeedWatch,
+    accept_length,
+    compare,
+    decode_speed,
+    parse_answer,
+    parse_gauge,
+    profile_disables_graphs,
+    startup_evidence,
+)
+from supervisor.quality.golden import CanaryStore, Golden, default_dir, golden_key, model_identity
+from supervisor.sglang.argv import LaunchSpec
+from supervisor.sglang.probe import (
+    MAX_BODY_BYTES,
+    ProbeGate,
+    abort_request,
+    metrics_text,
+    new_rid,
+    parse_progress,
+    server_url,
+)
+
+CANARY_TIMEOUT_S = 30.0
+# Decode tokens the counter may add beyond the probe's own (SGLang's warmup, rounding).
+OTHERS_SLACK_TOKENS = 2
+INFO_TIMEOUT_S = 10.0
+
+
+def canary_request(prompt: str, max_tokens: int, rid: str) -> dict[str, Any]:
+    """Greedy, with each position's top-2 logprobs (GenerateReqInput.return_logprob,
+    top_logprobs_num: managers/io_struct.py, 0.5.23)."""
+    return {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "stream": False,
+        "rid": rid,
+    }
+
+
+async def ask(
+    http: httpx.AsyncClient,
+    base: str,
+    prompt: str,
+    max_tokens: int,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Answer | str, float]:
+    """One canary request: (the answer or why there is none, seconds it took). A timed-out
+    request is aborted inside SGLang, as a probe is."""
+    rid = new_rid("canary")
+    start = clock()
+    try:
+        async with asyncio.timeout(timeout):
+            r = await http.post(
+                base + "/generate",
+                json=canary_request(prompt, max_tokens, rid),
+                timeout=timeout,
+                headers={"Accept-Encoding": "identity"},
+            )
+    except TimeoutError:
+        await abort_request(http, base, rid, min(2.0, timeout))
+        return f"no canary answer within {timeout:g}s", clock() - start
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        return f"canary request failed: {exc or type(exc).__name__}", clock() - start
+    took = clock() - start
+    if r.status_code != 200:
+        return f"canary answer HTTP {r.status_code}", took
+    if len(r.content) > MAX_BODY_BYTES:
+        return "canary answer too large", took
+    return parse_answer(r.content, took), took
+
+
+async def sglang_version(http: httpx.AsyncClient, base: str) -> str:
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            r = await http.get(base + path, timeout=INFO_TIMEOUT_S)
+            doc = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("version"), str):
+            return str(doc["version"])
+    return "unknown"
+
+
+@dataclasses.dataclass
+class _LaunchQuality:
+    launch: int
+    speculative: bool
+    speed: SpeedWatch
+    spec: SpecWatch
+    graph: GraphWatch
+    key: str | None = None
+    identity: str | None = None
+    version: str | None = None
+    canary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    evidence: dict[str, str] = dataclasses.field(default_factory=dict)
+    first_canary_ms: float | None = None
+    probes: int = 0  # successful probes whose speed and accept length were read
+
+
+class QualityWatch:
+    def __init__(
+        self,
+        cfg: Config,
+        http: httpx.AsyncClient,
+        metrics: Metrics,
+        emit: Callable[[Any], None],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.http = http
+        self.metrics = metrics
+        self.emit = emit
+        self.wall = wall
+        self.log = log.get()
+        self.store = CanaryStore(default_dir(cfg.state_dir))
+        self.cur: _LaunchQuality | None = None
+        self._identities: dict[str, str] = {}
+        self.canaries = 0  # canaries run by this daemon (tests, bench)
+        self.mismatches = 0
+
+    # ------------------------------------------------------------------ per launch
+
+    def launched(self, launch: int, spec: LaunchSpec) -> None:
+        self.cur = _LaunchQuality(
+            launch=launch,
+            speculative=spec.speculative,
+            speed=SpeedWatch(),
+            spec=SpecWatch(self.cfg.quality.spec_accept_floor),
+            graph=GraphWatch(expected=not profile_disables_graphs(spec.argv)),
+            canary={"state": UNKNOWN if self.cfg.quality.canary.enabled else DISABLED},
+        )
+        self._publish()
+
+    def line(self, text: str) -> None:
+        cur = self.cur
+        if cur is None:
+            return
+        # Substring checks first: every line of a log flood passes here.
+        if "Decode batch" in text:
+            if cur.graph.feed(text):
+                self._changed(NO_CUDA_GRAPH, cur.graph.missing, cur.graph.last_line)
+            return
+        if "verlap" not in text and "v2" not in text and "raph end" not in text:
+            return
+        ev = startup_evidence(text)
+        if ev is not None and ev[0] not in cur.evidence:
+            cur.evidence[ev[0]] = ev[1]
+
+    # ------------------------------------------------------------------ the canary
+
+    async def _key(self, cur: _LaunchQuality, base: str) -> str:
+        if cur.key is None:
+            path = self.cfg.sglang.model_path
+            if path not in self._identities:
+                # A few MiB read per TB of weights (canary_store): off the loop all the same.
+                self._identities[path] = await asyncio.to_thread(model_identity, path)
+            cur.identity = self._identities[path]
+            cur.version = await sglang_version(self.http, base)
+            ccfg = self.cfg.quality.canary
+            cur.key = golden_key(cur.identity, cur.version, ccfg.prompt, ccfg.max_tokens)
+        return cur.key
+
+    async def canary(self, launch: int, gate: ProbeGate) -> str | None:
+        """Run the canary; the mismatch detail (expected, got) or None. No golden yet: this
+        answer becomes it (the probe before it verified the launch decodes)."""
+        cur, ccfg = self.cur, self.cfg.quality.canary
+        if cur is None or cur.launch != launch or not ccfg.enabled:
+            return None
+        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
+        key = await self._key(cur, base)
+        timeout = min(CANARY_TIMEOUT_S, max(self.cfg.readiness.probe.timeout, 1.0))
+        got, took = await gate.exclusive(
+            lambda: ask(self.http, base, ccfg.prompt, ccfg.max_tokens, timeout)
+        )
+        self.canaries += 1
+        at = self.wall()
+        if cur.first_canary_ms is None:
+            cur.first_canary_ms = took * 1000
+        if isinstance(got, str):
+            cur.canary = {**cur.canary, "state": UNKNOWN, "at": at, "error": got}
+            self.log.warning("canary", outcome="unknown", error=got)
+            self._publish()
+            return None
+        record = Golden(
+            key=key,
+            answer=got,
+            model_path=self.cfg.sglang.model_path,
+            identity=cur.identity or "",
+            sglang_version=cur.version or "unknown",
+            prompt=ccfg.prompt,
+            max_tokens=ccfg.max_tokens,
+            learned_at=at,
+            how="received",
+        )
+        try:
+            await asyncio.to_thread(self.store.save_last, record)
+            golden = await asyncio.to_thread(self.store.golden, key)
+            if golden is None:
+                golden = dataclasses.replace(record, how="learned")
+                await asyncio.to_thread(self.store.save_golden, golden)
+                state, detail = LEARNED, "golden answer learned"
+            else:
+                state, detail = MATCHED, ""
+        except OSError as exc:
+            cur.canary = {**cur.canary, "state": UNKNOWN, "at": at, "error": str(exc)}
+            self.log.error("canary store unwritable", dir=str(self.store.dir), error=str(exc))
+            self._publish()
+            return None
+        if golden.answer.server_measured:
+            cur.speed.golden_tps = golden.answer.tokens_per_second
+        if cur.speed.add(got.tokens_per_second, busy=False, server_measured=got.server_measured):
+            self._slow_changed(cur)
+        verdict = compare(golden.answer, got)
+        base_doc = {
+            "at": at,
+            "expected": golden.answer.text,
+            "got": got.text,
+            "checked_tokens": verdict.checked,
+            "golden": golden.how,
+            "ms": round(took * 1000, 1),
+        }
+        if verdict.weak:
+            base_doc["weak"] = True
+        if state == MATCHED and not verdict.match:
+            self.mismatches += 1
+            detail = verdict.detail(golden.answer, got)
+            cur.canary = {"state": MISMATCH, **base_doc}
+            self.log.error("canary mismatch", detail=detail, key=key)
+            self._changed(CANARY_MISMATCH, True, detail)
+            return detail
+        cur.canary = {"state": state, **base_doc}
+        self._changed(CANARY_MISMATCH, False, detail)
+        return None
+
+    # ------------------------------------------------------------------ probes and gauges
+
+    async def probe_done(
+        self, done: ProbeDone, decoded_before: float | None = None, own_tokens: int = 0
+    ) -> None:
+        """Speed and accept length from a probe's answer, the gauge from SGLang's /metrics.
+
+        The speed sample is skipped when others decoded meanwhile: SGLang's decode counter
+        (`sglang:realtime_tokens_total{mode="decode"}`) moved by more than the probe's and the
+        canary's own tokens (`own_tokens`), or requests still run right after it."""
+        cur = self.cur
+        if cur is None or cur.launch != done.launch or not done.result.ok:
+            return
+        meta = done.result.meta
+        cur.probes += 1
+        base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
+        text = await metrics_text(self.http, base)
+        running = parse_gauge(text, "sglang:num_running_reqs") if text else None
+        progress = parse_progress(text) if text else None
+        decoded_after = None if progress is None else progress.realtime_decode
+        others = (
+            decoded_before is not None
+            and decoded_after is not None
+            and decoded_after - decoded_before > own_tokens + OTHERS_SLACK_TOKENS
+        )
+        busy = done.busy or others or bool(running and running > 0)
+        tps = decode_speed(meta, done.result.latency_s)
+        if cur.speed.add(tps, busy, server_measured="decode_throughput" in meta):
+            self._slow_changed(cur)
+        if cur.speculative:
+            gauge = parse_gauge(text) if text else None
+            if cur.spec.add(accept_length(meta), gauge):
+                self._changed(SPEC_COLLAPSE, cur.spec.collapsed, cur.spec.detail())
+                if cur.spec.collapsed:
+                    self.emit(SpecCollapsed(cur.launch, cur.spec.detail()))
+        self._publish()
+
+    def _slow_changed(self, cur: _LaunchQuality) -> None:
+        self._changed(SLOW_DECODE, cur.speed.slow, cur.speed.detail())
+
+    # ------------------------------------------------------------------ reporting
+
+    def degraded(self) -> list[str]:
+        cur = self.cur
+        if cur is None:
+            return []
+        held = {
+            CANARY_MISMATCH: cur.canary.get("state") == MISMATCH,
+            SPEC_COLLAPSE: cur.spec.collapsed,
+            SLOW_DECODE: cur.speed.slow,
+            NO_CUDA_GRAPH: cur.graph.missing,
+        }
+        return [r for r in DEGRADED_REASONS if held[r]]
+
+    def _changed(self, reason: str, on: bool, detail: str) -> None:
+        if on:
+            self.log.warning("quality degraded", reason=reason, detail=detail)
+        self._publish()
+
+    def _publish(self) -> None:
+        cur = self.cur
+        state = None if cur is None else cur.canary.get("state")
+        self.metrics.set_quality(
+            canary_ok=state in (LEARNED, MATCHED),
+            accept=None if cur is None else cur.spec.value,
+            tps=None if cur is None else cur.speed.last,
+            degraded=self.degraded(),
+        )
+
+    def status(self) -> dict[str, Any]:
+        cur = self.cur
+        if cur is None:
+            state = UNKNOWN if self.cfg.quality.canary.enabled else DISABLED
+            return {
+                "canary": {"state": state, "at": None, "expected": None, "got": None},
+                "spec_accept_length": None,
+                "decode_tokens_per_second": None,
+                "degraded": [],
+            }
+        canary = {
+            "at": None,
+            "expected": None,
+            "got": None,
+            **cur.canary,
+            "runs": self.canaries,
+            "mismatches": self.mismatches,
+        }
+        return {
+            "canary": canary,
+            "spec_accept_length": cur.spec.value if cur.speculative else None,
+            "decode_tokens_per_second": cur.speed.last,
+            "decode_reference": cur.speed.reference,
+            "degraded": self.degraded(),
+            "probes_judged": cur.probes,
+            "evidence": {
+                **cur.evidence,
+                "decode_batches_judged": cur.graph.seen,
+                "graphs_expected": cur.graph.expected,
+            },
+            "golden_key": cur.key,
+        }
