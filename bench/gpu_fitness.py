@@ -45,10 +45,10 @@ from bench.gpu_leftovers import HOLDER, Gpu, Spec, launch  # noqa: E402
 from bench.gpu_run import run, scene, verdict  # noqa: E402
 from supervisor import gpu  # noqa: E402
 from supervisor.config import GpusConfig  # noqa: E402
-from supervisor.daemon.metrics import Metrics  # noqa: E402
 from supervisor.gpu import fitness, fitness_watch  # noqa: E402
 from supervisor.gpu.nvml import MiB, gpu_status  # noqa: E402
 from supervisor.gpu.sim import open_nvml  # noqa: E402
+from supervisor.metrics import Metrics  # noqa: E402
 from supervisor.process import ProcessOwner  # noqa: E402
 from supervisor.process.identity import (  # noqa: E402
     OWNER_ENV,

@@ -3,7 +3,8 @@
     SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench.quality_canary [--n 35]
 
 One real SGLang 0.5.23 server (tests/realsglang/server.py) serving the canary model of
-tools/make-canary-model. The first canary answer (supervisor.quality.watch.ask) is the golden;
+tools/make-canary-model. The first canary answer (supervisor.daemon.quality_watch.ask) is the
+golden;
 then `--n` canaries in each of three conditions are compared with it exactly as the daemon
 compares them (supervisor.quality.compare):
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from supervisor import quality
-from supervisor.quality.watch import ask
+from supervisor.daemon.quality_watch import ask
 from tests.realsglang import server as real
 
 

@@ -40,7 +40,6 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor.sglang import argv as command
-    from supervisor.warm import caches
 
     cfg = _load(args, err)
     if cfg is None:
@@ -52,7 +51,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     clear = router.key_in_clear(cfg.router)
     for warning in [*config_mod.warnings(cfg), *([clear] if clear else [])]:
         print(f"{cfg.path}: warning: {warning}", file=err)
-    for problem in caches.cfg_problems(cfg):
+    for problem in command.cache_problems(cfg):
         print(f"{cfg.path}: warning: warm.cache_dir: {problem}", file=err)
     print("ok", file=out)
     return EX_OK
@@ -114,7 +113,7 @@ def _token_file_problem(cfg: Config) -> str | None:
     """An existing token file that others could read, or a directory for it that others
     could write: refused before anything starts, with 78, since no restart fixes it. (An
     absent file is created by the admin endpoint.)"""
-    from supervisor.admin import token as admin_token
+    from supervisor import secret_files as admin_token
 
     path = cfg.admin.token_file
     directory = Path(path).parent
@@ -199,8 +198,8 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor import secret_files as admin_token
     from supervisor.admin import status_command as status
-    from supervisor.admin import token as admin_token
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
@@ -219,7 +218,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _token_if_readable(path: str | None) -> str | None:
     """`status` uses the token when this user may read it, and goes without it silently."""
-    from supervisor.admin import token as admin_token
+    from supervisor import secret_files as admin_token
 
     if not path:
         return None

@@ -35,8 +35,8 @@ from typing import Any
 from aiohttp import web
 
 from supervisor import log
+from supervisor import secret_files as admin_token
 from supervisor.admin import sockowner
-from supervisor.admin import token as admin_token
 from supervisor.admin.app import AUTHENTICATED as AUTHENTICATED
 from supervisor.admin.app import GATE as GATE
 from supervisor.admin.app import SAFE_METHODS as SAFE_METHODS

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from supervisor import log, untrusted
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.admin.redact import (
     CANARY_TEXT_KEYS,
     CLEAN_TEXT_KEYS,
@@ -28,10 +28,15 @@ from supervisor.admin.redact import (
 )
 
 if TYPE_CHECKING:
-    # For GATE's type only: the gate is served, and lives, in supervisor/admin/__init__.py.
-    from supervisor.admin import _Gate
     from supervisor.config import Config
-    from supervisor.daemon.metrics import Metrics
+    from supervisor.metrics import Metrics
+
+
+class RequestGate(Protocol):
+    """What the middleware tells the connection gate (served, and kept, in
+    supervisor/admin/__init__.py): a request starts (+1) or ends (-1) on a connection."""
+
+    def request(self, transport: asyncio.BaseTransport | None, delta: int) -> None: ...
 
 
 class GroupEndpoint(Protocol):
@@ -72,7 +77,7 @@ class Access(Enum):
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 AUTHENTICATED = web.RequestKey("authenticated", bool)
-GATE: web.AppKey[_Gate] = web.AppKey("gate")
+GATE: web.AppKey[RequestGate] = web.AppKey("gate")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
+from supervisor import secret_files as admin_token
 from supervisor.admin import client as adminclient
-from supervisor.admin import token as admin_token
 from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
 
 WHAT = {

@@ -233,7 +233,7 @@ class QualityConfig:
 @dataclass(frozen=True)
 class WarmConfig:
     """What makes a relaunch cheaper: the compile caches' root and the page-cache prewarm
-    (supervisor/warm/caches.py, supervisor/warm/prewarm.py; docs/benchmarks.md has the
+    (supervisor/sglang/caches.py, supervisor/warm/prewarm.py; docs/benchmarks.md has the
     measurements)."""
 
     cache_dir: str  # default $CACHE_DIRECTORY (systemd's CacheDirectory=), else <state_dir>/cache

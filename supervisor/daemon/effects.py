@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from supervisor.config import Config
-from supervisor.daemon.metrics import Metrics
 from supervisor.daemon.notify import Notifier
 from supervisor.gpu.nvml import NvmlOpener, PynvmlNvml
+from supervisor.metrics import Metrics
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import RecordStore, owner_marker
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from supervisor import log, untrusted
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.config import Config
 from supervisor.core.machine import (
     SERVING,
@@ -41,7 +41,7 @@ from supervisor.core.machine import (
     group_ready,
     leader_ends,
 )
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 
 # A GET /group answer is about 150 bytes. A peer that sends more is broken or hostile: reading
 # stops there, so it can neither hold supervision's memory nor its time (the whole exchange is

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from supervisor import log, redact
 from supervisor.config import Config
 from supervisor.core.machine import Event, FatalLog, ReadyLine
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.sglang.logscan import LogScanner, Stream, guess_level
 
 FATAL_SETTLE_S = 1.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor import admin, log, router, warm
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.config import Config, ConfigError
 from supervisor.core.machine import (
     SERVING,
@@ -70,12 +70,12 @@ from supervisor.daemon.launcher import Launcher
 from supervisor.daemon.logpump import LogPump
 from supervisor.daemon.notify import watchdog_interval
 from supervisor.daemon.observed import Observed
+from supervisor.daemon.quality_watch import QualityWatch
 from supervisor.exits import EX_CONFIG
 from supervisor.gpu import fitness_watch
 from supervisor.gpu.nvml import Nvml
 from supervisor.incidents import stacks
 from supervisor.incidents.recorder import IncidentRecorder
-from supervisor.quality.watch import QualityWatch
 from supervisor.sglang import probe
 
 # Systemd's start job is extended by this much each time, while loading a 10-minute model.

@@ -23,9 +23,9 @@ from supervisor.core.machine import (
     State,
     Transitioned,
 )
-from supervisor.daemon.metrics import Metrics
 from supervisor.gpu import CleanReport, SweepReport, nvml
 from supervisor.gpu.nvml import Nvml
+from supervisor.metrics import Metrics
 from supervisor.process import Child
 from supervisor.router import RouterLink, unlinked_status
 from supervisor.sglang import intent
@@ -76,7 +76,7 @@ class Observed:
         self.router: RouterLink | None = None  # set by the daemon when router.url is set
         self.group: Any = None  # supervisor.daemon.group.Group of a coordinated multi-node replica
         self.reload_refused: str | None = None  # why the last valid reload was not taken
-        self.quality: Any = None  # supervisor.quality.watch.QualityWatch, set by the daemon
+        self.quality: Any = None  # supervisor.daemon.quality_watch.QualityWatch, set by the daemon
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
         # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
         self.recorder: IncidentRecorder | None = None

@@ -1,6 +1,6 @@
 """Preflight's checks of this host, one finding each: the interpreter, SGLang's port, the model
-and draft model directories, the GPU count, the compile caches. supervisor/preflight/__init__.py runs
-them with the SGLang parser checks; docs/preflight.md explains each."""
+and draft model directories, the GPU count, the compile caches. supervisor/preflight/__init__.py
+runs them with the SGLang parser checks; docs/preflight.md explains each."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import psutil
 
 from supervisor.config import ArgValue, Config
 from supervisor.preflight.result import CONFIG, HOST, Check
+from supervisor.sglang import argv
 from supervisor.sglang.argv import LaunchSpec
-from supervisor.warm import caches
 
 
 def check_interpreter(python: str) -> Check:
@@ -245,9 +245,9 @@ def check_gpus(
 
 
 def check_caches(cfg: Config) -> Check:
-    """SGLang's compile caches (supervisor/warm/caches.py): a warning, never a failure; a lost
+    """SGLang's compile caches (supervisor/sglang/caches.py): a warning, never a failure; a lost
     cache costs compile time on the next start, not correctness."""
-    found = caches.cfg_problems(cfg)
+    found = argv.cache_problems(cfg)
     if not found:
         return Check(
             "caches", True, HOST, f"{cfg.warm.cache_dir}: present or creatable, persistent"

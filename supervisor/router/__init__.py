@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -36,9 +36,6 @@ from supervisor.sglang.drain_wait import sglang_load as sglang_load
 from supervisor.sglang.drain_wait import wait_idle as wait_idle
 from supervisor.sglang.drain_wait import waited_for as waited_for
 from supervisor.sglang.probe import server_url
-
-if TYPE_CHECKING:
-    from supervisor.daemon.effects import Effects
 
 HttpFactory = Callable[[], httpx.AsyncClient]
 
@@ -186,6 +183,13 @@ async def close_link(link: RouterLink | None) -> None:
         await link.client.aclose()
 
 
+class HttpHolder(Protocol):
+    """The part of the daemon's effects the drain wait uses: its HTTP client."""
+
+    @property
+    def http(self) -> httpx.AsyncClient: ...
+
+
 class DrainHost(Protocol):
     """What the admin drain needs of the daemon: its current link (a reload may add, move or
     remove it), the machine's verdict on a drain / undrain request, and, for the wait without
@@ -196,7 +200,7 @@ class DrainHost(Protocol):
     @property
     def cfg(self) -> Config: ...
     @property
-    def fx(self) -> Effects: ...
+    def fx(self) -> HttpHolder: ...
     @property
     def log(self) -> Log: ...
     def request_drain(self) -> str | None: ...

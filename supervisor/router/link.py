@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.config import RouterConfig
 from supervisor.router.api import (
     Failure,

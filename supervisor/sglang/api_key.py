@@ -19,7 +19,7 @@ from collections.abc import Generator
 import httpx
 import yaml
 
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.config import Config, key_file_problem
 from supervisor.sglang.argv import secrets_path
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from supervisor import redact
 from supervisor.config import PRIMARY, ArgValue, Config, tp_size
-from supervisor.warm import caches
+from supervisor.sglang import caches
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,13 @@ def launch_warnings(cfg: Config) -> list[str]:
                 "so the owner marker is unreadable there"
             )
     return out
+
+
+def cache_problems(cfg: Config) -> list[str]:
+    """The problems of every profile's cache directories, each once (`check`, `preflight`)."""
+    dirs: dict[str, str] = {}
+    for profile in cfg.profile_names:
+        for name, path in caches.paths(build(cfg, profile).env).items():
+            if path not in dirs.values():
+                dirs[name if name not in dirs else f"{name} ({profile})"] = path
+    return caches.problems(dirs, caches.read_mounts())

@@ -22,7 +22,8 @@ from supervisor import log, threads
 from supervisor.config import Config
 from supervisor.core.machine import State, Transitioned
 from supervisor.sglang import argv as command
-from supervisor.warm import caches, prewarm
+from supervisor.sglang import caches
+from supervisor.warm import prewarm
 
 # Cache directories are made and measured within this; a hung file system only loses the report.
 CACHES_TIMEOUT_S = 30.0

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from supervisor.core.machine import GpuFault, GpuUnfit
-from supervisor.daemon.metrics import Metrics
 from supervisor.gpu.fitness import NOT_SUPPORTED
 from supervisor.gpu.fitness_watch import Monitor
 from supervisor.gpu.nvml import NvmlUnavailable
 from supervisor.gpu.sim import SimulatedNvml, parse_health, simulated_uuid
+from supervisor.metrics import Metrics
 
 GPUS = 8
 

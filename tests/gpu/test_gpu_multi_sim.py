@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from supervisor.daemon.metrics import Metrics
 from supervisor.gpu import clean, leftover_status, sweep_leftovers
 from supervisor.gpu.sim import SimulatedNvml, simulated_uuid
+from supervisor.metrics import Metrics
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import OWNER_ENV, ProcessIdentity, live_process
 from tests.gpu.gpu_helpers import Procs, gpus_cfg

@@ -559,7 +559,7 @@ def test_the_token_directory_is_the_daemons_own_inside_a_0777_emptydir(
 ) -> None:
     """The kubelet makes an emptyDir mode 0777 (pkg/volume/emptydir): the token rules refuse
     that as the token's directory, so state_dir is a directory the daemon makes inside it."""
-    from supervisor.admin import token as admin_token
+    from supervisor import secret_files as admin_token
     from supervisor.process.identity import RecordStore
 
     for role, cfg in configs(rendered):

@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.daemon.quality_watch import ask
 from supervisor.quality import compare
 from supervisor.quality.golden import CanaryStore
-from supervisor.quality.watch import ask
 from tests.realsglang import server as real
 from tests.realsglang.conftest import Real, daemon_config, generate, log_time, real_daemon, report
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from supervisor.config import RouterConfig
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.router import RouterLink
 from testkit.router import RouterProcess, free_port
 from testkit.standin import Standin

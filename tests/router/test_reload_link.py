@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from supervisor import config
 from supervisor.config import Config
 from supervisor.daemon import reload
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.router import RouterLink, close_link, link_for, relink
 from testkit.daemon import BIN, running
 from testkit.fleet import registered, replica_config, worker_url

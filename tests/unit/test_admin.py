@@ -18,8 +18,8 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from supervisor import admin, config
-from supervisor.admin import token as admin_token
-from supervisor.daemon.metrics import ADMIN_PROTECTED_ENDPOINTS, Metrics
+from supervisor import secret_files as admin_token
+from supervisor.metrics import ADMIN_PROTECTED_ENDPOINTS, Metrics
 
 SGLANG_LINE = "AttributeError: 'EAGLEWorkerV2' object has no attribute 'x'"
 MUTATING = ("/restart", "/drain", "/undrain")

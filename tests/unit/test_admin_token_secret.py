@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from supervisor import admin
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from testkit.daemon import BIN, base_config
 from tests.unit.test_admin import Backend
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from supervisor import cli, config, preflight
-from supervisor.warm import caches
-from supervisor.warm.caches import Mount
+from supervisor.sglang import caches
+from supervisor.sglang.caches import Mount
 
 # A real mountinfo's shapes (proc(5)): the root, a tmpfs /dev/shm, a unit's PrivateTmp bind.
 MOUNTINFO = """\

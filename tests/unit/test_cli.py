@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from supervisor import __version__, cli
-from supervisor.warm import caches
+from supervisor.sglang import caches
 from testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def test_print_command_shows_every_production_flag() -> None:
         assert contains_run(argv, run), f"{run} not in {first}"
     own = ["env: SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1", "env: SPT_NOENV=1"]
     assert [line for line in env if line in own] == own
-    # Every JIT cache under warm.cache_dir (supervisor/warm/caches.py), one line each.
+    # Every JIT cache under warm.cache_dir (supervisor/sglang/caches.py), one line each.
     state = yaml.safe_load(PRODUCTION.read_text()).get("state_dir") or "/var/lib/kimi-serve"
     set_here = sorted(line for line in env if line not in own)
     assert set_here == sorted(f"env: {c.env}={state}/cache/{c.subdir}" for c in caches.CACHES)

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from supervisor import config
 from supervisor.config import Config
 from supervisor.sglang import argv as command
+from supervisor.sglang import caches
 from supervisor.sglang.argv import build, flag_tokens
-from supervisor.warm import caches
 
 PRODUCTION = Path(__file__).resolve().parents[2] / "etc" / "kimi-serve.yaml"
 SPECULATIVE = (

@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from supervisor import config
-from supervisor.admin import token as admin_token
+from supervisor import secret_files as admin_token
 from supervisor.config import Config, ConfigError
 from supervisor.core.machine import (
     Machine,
@@ -29,7 +29,7 @@ from supervisor.core.machine import (
 )
 from supervisor.daemon import reload
 from supervisor.daemon.group import MAX_ANSWER_BYTES, Group, reload_refusal
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 
 LEADER_ADDR = "kimi-serve-0.kimi-serve.default"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.sglang.loadphases import PHASES, LoadTimeline
 
 # model_runner.py:1274 / 1373, kv_cache_configurator.py:499, cuda_graph_setup.py:759 / 788,

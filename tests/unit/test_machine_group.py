@@ -236,7 +236,7 @@ def test_post_group_end_ends_only_the_current_epoch_of_a_running_leader() -> Non
     import httpx
 
     from supervisor.daemon.group import Group
-    from supervisor.daemon.metrics import Metrics
+    from supervisor.metrics import Metrics
 
     cfg = cfg_for(0)
     m = loaded(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from supervisor.core.machine import Reason, State
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 
 
 def sample(m: Metrics, name: str, **labels: str) -> float | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.daemon.metrics import Metrics
 from supervisor.gpu.fitness import HealthRead
 from supervisor.gpu.nvml import GpuSnapshot, gpu_status
+from supervisor.metrics import Metrics
 
 
 def snap(index: int, health: HealthRead | None) -> GpuSnapshot:

@@ -8,9 +8,9 @@ from typing import Any
 
 from supervisor import config
 from supervisor.core.machine import Context
-from supervisor.daemon.metrics import Metrics
 from supervisor.daemon.observed import Observed
 from supervisor.gpu import SweepReport, SweptProcess
+from supervisor.metrics import Metrics
 
 
 def observed(tmp_path: Path) -> tuple[Observed, Metrics]:

@@ -1,5 +1,5 @@
-"""Serving quality's pure verdicts (supervisor/quality/__init__.py), the golden store's content identity
-(supervisor/quality/golden.py), and what the machine does with a canary mismatch and a
+"""Serving quality's pure verdicts (supervisor/quality/__init__.py), the golden store's content
+identity (supervisor/quality/golden.py), and what the machine does with a canary mismatch and a
 speculation collapse."""
 
 from __future__ import annotations

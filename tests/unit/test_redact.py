@@ -13,7 +13,7 @@ import yaml
 
 from supervisor import config, redact
 from supervisor.daemon.logpump import LogPump
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.sglang import api_key as sglang_key
 from supervisor.sglang import argv as command
 from supervisor.sglang.logscan import Stream

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from supervisor import config
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.router import (
     DrainResult,
     Failure,

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from supervisor import admin, config, router
 from supervisor.admin import status_command as status
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from testkit import free_port
 
 NOW = 1_700_000_000.0

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import Config
-
 
 @dataclass(frozen=True)
 class Cache:
@@ -166,18 +164,6 @@ def read_mounts() -> list[Mount]:
         return parse_mountinfo(Path("/proc/self/mountinfo").read_text())
     except OSError:
         return []
-
-
-def cfg_problems(cfg: Config) -> list[str]:
-    """The problems of every profile's cache directories, each once (`check`, `preflight`)."""
-    from supervisor.sglang.argv import build  # command imports this module for `env`
-
-    dirs: dict[str, str] = {}
-    for profile in cfg.profile_names:
-        for name, path in paths(build(cfg, profile).env).items():
-            if path not in dirs.values():
-                dirs[name if name not in dirs else f"{name} ({profile})"] = path
-    return problems(dirs, read_mounts())
 
 
 # ------------------------------------------------------------------ before a launch

@@ -21,7 +21,7 @@ import httpx
 from supervisor import log
 from supervisor.config import Config
 from supervisor.core.machine import ProbeDone, SpecCollapsed
-from supervisor.daemon.metrics import Metrics
+from supervisor.metrics import Metrics
 from supervisor.quality import (
     CANARY_MISMATCH,
     DEGRADED_REASONS,
