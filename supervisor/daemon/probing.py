@@ -11,10 +11,9 @@ from typing import Any
 
 import httpx
 
-from supervisor import untrusted
 from supervisor.config import Config
 from supervisor.core.machine import ProbeDone, ProbeKind
-from supervisor.sglang import intent
+from supervisor.sglang import endpoints, intent
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import (
     ProbeGate,
@@ -24,11 +23,6 @@ from supervisor.sglang.probe import (
     read_progress,
     server_url,
 )
-
-INFO_PATHS = ("/server_info", "/get_server_info")
-# SGLang 0.5.23's /server_info is a few KiB (its arguments and internal states); more is not
-# that answer, and is not read into the daemon's memory.
-MAX_INFO_BYTES = 1 << 20
 
 
 async def decode(
@@ -69,22 +63,8 @@ async def decode(
 
 
 async def server_info(http: httpx.AsyncClient, cfg: Config) -> dict[str, Any] | None:
-    """SGLang's resolved arguments (docs/sglang.md, "Endpoints"), or None: for no answer, an
-    answer over MAX_INFO_BYTES, or one that is not a JSON object, whatever it holds."""
-    base = server_url(cfg.sglang.host, cfg.sglang.port)
-    headers = {"Accept-Encoding": "identity"}
-    for path in INFO_PATHS:
-        try:
-            async with asyncio.timeout(10.0):
-                async with http.stream("GET", base + path, headers=headers, timeout=10.0) as r:
-                    if r.status_code != 200:
-                        continue
-                    doc = untrusted.loads(await untrusted.read_capped(r, MAX_INFO_BYTES))
-        except Exception:  # any failure to fetch or decode is "no answer"
-            continue
-        if isinstance(doc, dict):
-            return doc
-    return None
+    """SGLang's resolved arguments, or None (`endpoints.server_info`: bounded, untrusted)."""
+    return await endpoints.server_info(http, server_url(cfg.sglang.host, cfg.sglang.port))
 
 
 async def check_intent(

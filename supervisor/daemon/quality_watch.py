@@ -32,6 +32,7 @@ from supervisor.quality import (
     NO_CUDA_GRAPH,
     SLOW_DECODE,
     SPEC_COLLAPSE,
+    SPEC_GAUGE,
     UNKNOWN,
     Answer,
     GraphWatch,
@@ -41,19 +42,18 @@ from supervisor.quality import (
     compare,
     decode_speed,
     parse_answer,
-    parse_gauge,
     profile_disables_graphs,
     startup_evidence,
 )
 from supervisor.quality.golden import CanaryStore, Golden, default_dir, golden_key, model_identity
+from supervisor.sglang import endpoints
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import (
     MAX_BODY_BYTES,
     ProbeGate,
     abort_request,
-    metrics_text,
     new_rid,
-    parse_progress,
+    progress_of,
     server_url,
 )
 
@@ -110,15 +110,9 @@ async def ask(
 
 
 async def sglang_version(http: httpx.AsyncClient, base: str) -> str:
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            r = await http.get(base + path, timeout=INFO_TIMEOUT_S)
-            doc = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("version"), str):
-            return str(doc["version"])
-    return "unknown"
+    info = await endpoints.server_info(http, base, INFO_TIMEOUT_S)
+    version = None if info is None else info.get("version")
+    return version if isinstance(version, str) else "unknown"
 
 
 @dataclasses.dataclass
@@ -288,9 +282,10 @@ class QualityWatch:
         meta = done.result.meta
         cur.probes += 1
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        text = await metrics_text(self.http, base)
-        running = parse_gauge(text, "sglang:num_running_reqs") if text else None
-        progress = parse_progress(text) if text else None
+        text = await endpoints.fetch_metrics(self.http, base)
+        samples = endpoints.parse_metrics(text) if text else None  # one parse for all three
+        progress = None if samples is None else progress_of(samples)
+        running = None if samples is None else endpoints.mean(samples, "sglang:num_running_reqs")
         decoded_after = None if progress is None else progress.realtime_decode
         others = (
             decoded_before is not None
@@ -302,7 +297,7 @@ class QualityWatch:
         if cur.speed.add(tps, busy, server_measured="decode_throughput" in meta):
             self._slow_changed(cur)
         if cur.speculative:
-            gauge = parse_gauge(text) if text else None
+            gauge = None if samples is None else endpoints.mean(samples, SPEC_GAUGE)
             if cur.spec.add(accept_length(meta), gauge):
                 self._changed(SPEC_COLLAPSE, cur.spec.collapsed, cur.spec.detail())
                 if cur.spec.collapsed:

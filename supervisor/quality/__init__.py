@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.sglang import endpoints
+
 # Degraded reasons (kimi_serve_quality_degraded{reason}), in the order /status lists them.
 CANARY_MISMATCH = "canary_mismatch"
 SPEC_COLLAPSE = "spec_collapse"
@@ -367,22 +369,13 @@ class SpecWatch:
         return f"mean accept length {self.value or 0:.2f} below the floor {self.floor:g}"
 
 
-def parse_gauge(text: str, name: str = "sglang:spec_accept_length") -> float | None:
-    """One gauge from a Prometheus text page (the mean over its label sets), or None."""
-    values: list[float] = []
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name) :]
-        if rest and rest[0] not in " {":
-            continue
-        try:
-            v = float(rest.rsplit(None, 1)[-1])
-        except (ValueError, IndexError):
-            continue
-        if math.isfinite(v):
-            values.append(v)
-    return statistics.fmean(values) if values else None
+SPEC_GAUGE = "sglang:spec_accept_length"  # SGLang's mean accepted draft length (EAGLE)
+
+
+def parse_gauge(text: str, name: str = SPEC_GAUGE) -> float | None:
+    """One gauge from SGLang's /metrics (the mean over its label sets), or None."""
+    samples = endpoints.parse_metrics(text)
+    return None if samples is None else endpoints.mean(samples, name)
 
 
 # ------------------------------------------------------------------------- decode path

@@ -11,23 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.sglang import endpoints
 
 
 def parse_load(text: str) -> tuple[float, float] | None:
     """(running, queued) requests from SGLang's /metrics, summed over ranks; None if absent."""
-    running: float | None = None
-    queued = 0.0
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "sglang:num_running_reqs":
-                    running = (running or 0.0) + sample.value
-                elif sample.name == "sglang:num_queue_reqs":
-                    queued += sample.value
-    except Exception:  # a hostile text: whatever the parser raises, no counters
+    samples = endpoints.parse_metrics(text)
+    running = None if samples is None else endpoints.total(samples, "sglang:num_running_reqs")
+    if samples is None or running is None:
         return None
-    return None if running is None else (running, queued)
+    return running, endpoints.total(samples, "sglang:num_queue_reqs") or 0.0
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import ProbeConfig
+from supervisor.sglang import endpoints
 from supervisor.sglang.logscan import OWN_RID_MARK
 
 _T = TypeVar("_T")
@@ -414,56 +414,30 @@ class Progress:
         return (self.running_requests or 0.0) + (self.queued_requests or 0.0) > 0
 
 
-def _add(total: float | None, value: float) -> float:
-    return (total or 0.0) + value
-
-
 def parse_progress(text: str) -> Progress | None:
     """The counters busy detection reads, or None when the text holds none of them."""
-    realtime: float | None = None
-    decode: float | None = None
-    generation: float | None = None
-    running: float | None = None
-    queued: float | None = None
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if name == "sglang:realtime_tokens_total":
-                    realtime = _add(realtime, sample.value)
-                    if sample.labels.get("mode") == "decode":
-                        decode = _add(decode, sample.value)
-                elif name == "sglang:generation_tokens_total":
-                    generation = _add(generation, sample.value)
-                elif name == "sglang:num_running_reqs":
-                    running = _add(running, sample.value)
-                elif name == "sglang:num_queue_reqs":
-                    queued = _add(queued, sample.value)
-    except Exception:  # a hostile text: whatever the parser raises, no counters
-        return None
+    samples = endpoints.parse_metrics(text)
+    return None if samples is None else progress_of(samples)
+
+
+def progress_of(samples: endpoints.Samples) -> Progress | None:
+    """`parse_progress` of samples already parsed."""
+    realtime = endpoints.total(samples, "sglang:realtime_tokens_total")
+    generation = endpoints.total(samples, "sglang:generation_tokens_total")
     if realtime is None and generation is None:
         return None
+    decode = endpoints.total(samples, "sglang:realtime_tokens_total", mode="decode")
     if realtime is not None and decode is None:
         decode = 0.0
+    running = endpoints.total(samples, "sglang:num_running_reqs")
+    queued = endpoints.total(samples, "sglang:num_queue_reqs")
     return Progress(generation, running, realtime, queued, decode)
-
-
-async def metrics_text(
-    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
-) -> str | None:
-    """SGLang's /metrics exposition, or None when it does not answer 200 within `timeout`."""
-    try:
-        async with asyncio.timeout(timeout):
-            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
-    except (TimeoutError, httpx.HTTPError, OSError):
-        return None
-    return r.text if r.status_code == 200 else None
 
 
 async def read_progress(
     client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
 ) -> Progress | None:
-    text = await metrics_text(client, base_url, timeout)
+    text = await endpoints.fetch_metrics(client, base_url, timeout)
     return None if text is None else parse_progress(text)
 
 

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from supervisor.config import ProbeConfig
 from supervisor.daemon import probing
+from supervisor.sglang import endpoints
 from supervisor.sglang.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
 from tests.reliability.rig import soak_factor, trial
 
@@ -529,7 +530,7 @@ def test_sequences_of_broken_answers_then_a_good_one(noise: list[str]) -> None:
         send(response(b"\xff\xfe not utf-8")),
         send(response(b"9" * 5000)),  # over the integer digit limit
         send(response(b"[1, 2]")),  # JSON, not an object
-        send(response(b"{" + b" " * (probing.MAX_INFO_BYTES + 10) + b"}")),  # over the cap
+        send(response(b"{" + b" " * (endpoints.MAX_INFO_BYTES + 10) + b"}")),  # over the cap
         endless(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
             b"1000\r\n" + b" " * 4096 + b"\r\n",

@@ -1,0 +1,91 @@
+"""SGLang's read-only endpoints, each fetched and parsed in one place.
+
+- `/metrics` (Prometheus text, with `--enable-metrics`): `fetch_metrics` reads it, `parse_metrics`
+  turns it into samples once; `total` and `mean` read them. The probe's busy detection
+  (`probe.parse_progress`), the drain's wait (`drain_wait.parse_load`) and serving quality's
+  gauges (`quality.parse_gauge`) all read through `parse_metrics`.
+- `/server_info` (or `/get_server_info`, its older name): `server_info`, bounded and decoded as
+  an untrusted answer (supervisor/untrusted.py), used for the intent check and the golden's key.
+
+Never raises: an answer that cannot be had or read is None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor import untrusted
+
+Samples = Mapping[str, list[tuple[Mapping[str, str], float]]]
+
+INFO_PATHS = ("/server_info", "/get_server_info")
+# SGLang 0.5.23's /server_info is a few KiB (its arguments and internal states); more is not
+# that answer, and is not read into the daemon's memory.
+MAX_INFO_BYTES = 1 << 20
+
+
+def parse_metrics(text: str) -> Samples | None:
+    """Every sample of a Prometheus text page by its name (`..._total` kept), with its labels;
+    None when the text is not one (whatever the parser raises on a hostile text)."""
+    out: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    except Exception:
+        return None
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sum of `name` over its label sets (those with all of `labels`), None if absent."""
+    found = [
+        v for got, v in samples.get(name, ()) if all(got.get(k) == w for k, w in labels.items())
+    ]
+    return sum(found) if found else None
+
+
+def mean(samples: Samples, name: str) -> float | None:
+    """The mean of a gauge over its label sets (finite values only), None if absent."""
+    found = [v for _, v in samples.get(name, ()) if math.isfinite(v)]
+    return statistics.fmean(found) if found else None
+
+
+async def fetch_metrics(
+    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
+) -> str | None:
+    """SGLang's /metrics exposition, or None when it does not answer 200 within `timeout`."""
+    try:
+        async with asyncio.timeout(timeout):
+            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+    except (TimeoutError, httpx.HTTPError, OSError):
+        return None
+    return r.text if r.status_code == 200 else None
+
+
+async def server_info(
+    http: httpx.AsyncClient, base_url: str, timeout: float = 10.0
+) -> dict[str, Any] | None:
+    """SGLang's resolved arguments (docs/sglang.md, "Endpoints"), or None: for no answer, an
+    answer over MAX_INFO_BYTES, or one that is not a JSON object, whatever it holds."""
+    headers = {"Accept-Encoding": "identity"}
+    for path in INFO_PATHS:
+        try:
+            async with asyncio.timeout(timeout):
+                url = base_url.rstrip("/") + path
+                async with http.stream("GET", url, headers=headers, timeout=timeout) as r:
+                    if r.status_code != 200:
+                        continue
+                    doc = untrusted.loads(await untrusted.read_capped(r, MAX_INFO_BYTES))
+        except Exception:  # any failure to fetch or decode is "no answer"
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
