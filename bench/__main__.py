@@ -1,5 +1,6 @@
 """`python -m bench`: kimi-serve against supervisord, systemd and a /health poller, on the
-SGLang stand-in, in one run. See docs/benchmarks.md.
+SGLang stand-in, in one run; `python -m bench NAME --help` for each of the other benches
+(listed below). See docs/benchmarks.md.
 
     .venv/bin/python -m bench                 # everything, about 5 minutes
     .venv/bin/python -m bench --quick         # tiny sizes, well under 30 s
@@ -7,7 +8,7 @@ SGLang stand-in, in one run. See docs/benchmarks.md.
     .venv/bin/python -m bench --real-sglang 3  # plus the real SGLang 0.5.23 rows (3 launches)
     .venv/bin/python -m bench --downtime 2     # instead: restart downtime, real SGLang (root)
     .venv/bin/python -m bench --canary 100     # plus greedy stability on the real server
-                                               # (bench.canary: 5 launches, ~20 minutes)
+                                               # (as `canary`: 5 launches, ~20 minutes)
 
 Phase A runs alone, one approach at a time (millisecond figures: readiness, death detection,
 recovery, log pump). Phase B runs the footprint measurement and, beside it, the figures that
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -232,10 +234,41 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
     return results
 
 
+# Every other bench: `python -m bench NAME ARGS...` runs bench/<module>.py's main(ARGS); each
+# has a quick, --standin or --simulated form that tests/bench/ runs in the suite.
+BENCHES: dict[str, tuple[str, str]] = {
+    "real-sglang": ("real_sglang", "kimi-serve's rows on the real SGLang 0.5.23 server (CPU)"),
+    "downtime": ("downtime", "restart downtime on real SGLang, cold and warm (root)"),
+    "canary": ("canary", "how stable greedy text is on the real server"),
+    "quality-canary": ("quality_canary", "the canary comparison against a bare real server"),
+    "fleet": ("fleet", "two replicas behind the real sglang-router"),
+    "multinode": ("multinode", "a two-node replica's relaunch, on one machine"),
+    "slow-clients": ("slow_clients", "/livez under the slow-client attack"),
+    "stack-dump": ("stack_dump", "what a stack dump before the kill costs"),
+    "incident-restart": ("incident_restart", "the stack dump in the restart, through the daemon"),
+    "profile-pump": ("profile_pump", "where the log pump's time goes, per line"),
+    "gpu-leftovers": ("gpu_leftovers", "GPU leftovers found, removed; a foreign one untouched"),
+    "gpu-fitness": ("gpu_fitness", "GPU fitness, the event set, leftover counting"),
+    "gpu-multi": ("gpu_multi", "hygiene and fitness across several GPUs"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in BENCHES:
+        module = importlib.import_module(f"bench.{BENCHES[args[0]][0]}")
+        return int(module.main(args[1:]) or 0)
+    return compare(args)
+
+
+def compare(argv: list[str]) -> int:
+    width = max(map(len, BENCHES))
     p = argparse.ArgumentParser(
         prog="python -m bench",
+        usage="python -m bench [options]  |  python -m bench NAME [--help] [ARGS...]",
         description=__doc__,
+        epilog="other benches (NAME):\n"
+        + "\n".join(f"  {n:<{width}}  {what}" for n, (_m, what) in BENCHES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, < 30 s)")
@@ -252,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="also ROUNDS launches on the real SGLang server (bench.real_sglang; "
+        help="also ROUNDS launches on the real SGLang server (as `real-sglang`; "
         "needs tools/sglang-env, about a minute each)",
     )
     p.add_argument(
@@ -261,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="ROUNDS",
         help="instead: the restart-downtime rows on real SGLang with a larger model "
-        "(bench.downtime; root, drops the page cache; several minutes per round)",
+        "(as `downtime`; root, drops the page cache; several minutes per round)",
     )
     p.add_argument(
         "--canary",
@@ -269,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="also N greedy canary generations per condition on the real SGLang server "
-        "(bench.canary; needs tools/sglang-env, five launches)",
+        "(as `canary`; needs tools/sglang-env, five launches)",
     )
     a = p.parse_args(argv)
     if a.downtime > 0:

@@ -1,7 +1,8 @@
 """Fleet benchmark: two replicas behind the real sglang-router, load through the router.
 
-    .venv/bin/python -m bench.fleet --quick            # about a minute
-    .venv/bin/python -m bench.fleet --json out.json
+    .venv/bin/python -m bench fleet --quick            # about a minute
+    .venv/bin/python -m bench fleet --json out.json
+    .venv/bin/python -m bench fleet --smoke --only router-2s   # the suite's form (tests/bench)
 
 Approaches, side by side in one run:
 - `router-default`: the router's own health checking alone, at its defaults (every 60 s,
@@ -43,6 +44,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.common import parser
 from bench.loadgen import LoadGenerator
 from testkit.fleet import ListWatch, replica_config, user_arrivals
 from testkit.router import RouterProcess, free_port
@@ -71,8 +73,10 @@ class Settings:
     stream_every: int
 
     @classmethod
-    def make(cls, quick: bool, streams: bool) -> Settings:
+    def make(cls, quick: bool, streams: bool, smoke: bool = False) -> Settings:
         every = 2 if streams else 0
+        if smoke:  # the suite's form: every step runs, too short for figures
+            return cls(True, 0.3, 0.5, 2.0, 2, every)
         if quick:
             return cls(True, 1.0, 2.0, 8.0, 3, every)
         return cls(False, 3.0, 5.0, 70.0, 4, every)
@@ -156,6 +160,13 @@ async def _listed_until(router: RouterProcess, url: str, limit: float) -> float 
     return None
 
 
+async def _load(router: RouterProcess, s: Settings) -> LoadGenerator:
+    """The load generator, started, for the whole scenario."""
+    return await LoadGenerator(
+        router.url, concurrency=s.concurrency, stream_every=s.stream_every
+    ).start()
+
+
 @contextlib.contextmanager
 def _fleet(
     approach: str, envs: tuple[Mapping[str, str], Mapping[str, str]]
@@ -178,9 +189,7 @@ async def planned_restart_uncoupled(approach: str, s: Settings) -> dict[str, Any
         for r in (a, b):
             r.start()
             await _register(router, r.url)
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
@@ -196,9 +205,7 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
     with _fleet(approach, ({}, fault)) as (router, (a, b)):
         a.start()
         await _register(router, a.url)
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             b.start()
@@ -287,9 +294,7 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
             await asyncio.to_thread(
                 d.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
             )
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
@@ -338,9 +343,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
             a.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
         )
         with ListWatch(router.url) as watch:
-            load = await LoadGenerator(
-                router.url, concurrency=s.concurrency, stream_every=s.stream_every
-            ).start()
+            load = await _load(router, s)
             try:
                 await asyncio.sleep(s.warm_s)
                 began = load.mark("broken replica started")
@@ -410,8 +413,9 @@ async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
+    p = parser("fleet", __doc__)
+    p.add_argument("--quick", action="store_true", help="short scenarios (about a minute)")
+    p.add_argument("--smoke", action="store_true", help="shorter still: the suite's form")
     p.add_argument(
         "--streams",
         action=argparse.BooleanOptionalAction,
@@ -422,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     only = tuple(a for a in args.only.split(",") if a)
-    results = asyncio.run(run(Settings.make(args.quick, args.streams), only))
+    results = asyncio.run(run(Settings.make(args.quick, args.streams, args.smoke), only))
     text = json.dumps(results, indent=2, default=str)
     if args.json:
         args.json.write_text(text + "\n")

@@ -50,67 +50,39 @@ APPROACHES = (KIMI, SUPERVISORD, SYSTEMD, POLLER)
 
 @dataclass(frozen=True)
 class Settings:
-    quick: bool
-    load_s: float  # STANDIN_LOAD_SECONDS
-    warmup_s: float  # STANDIN_WARMUP_SECONDS
-    cycles: int  # kills per approach (phase A)
-    poller_cycles: int
-    poller_period: float
-    false_ready_trials: int
-    hang_trials: int
-    hang_window: float  # how long a baseline is watched after a hang began
-    hang_after: int  # STANDIN_HANG_AFTER_DECODES: decodes served before every decode hangs
-    hang_liveness: dict[str, Any]
-    footprint_s: float
-    scrape_every: float
-    flood_plan: str
-    flood_max_lines: int
-    flood_gap: float  # quiet seconds between the log writer's steps
-    broken_timeout: float  # a decode slower than this counts as broken (false-ready check)
+    """The full run's sizes; `tiny()` the --quick ones."""
+
+    quick: bool = False
+    load_s: float = 2.0  # STANDIN_LOAD_SECONDS
+    warmup_s: float = 1.0  # STANDIN_WARMUP_SECONDS
+    cycles: int = 8  # kills per approach (phase A)
+    poller_cycles: int = 3
+    poller_period: float = 10.0
+    false_ready_trials: int = 3
+    hang_trials: int = 3
+    hang_window: float = 20.0  # how long a baseline is watched after a hang began
+    hang_after: int = 30  # STANDIN_HANG_AFTER_DECODES: decodes served before every decode hangs
+    hang_liveness: dict[str, Any] = field(
+        default_factory=lambda: {"interval": "1s", "timeout": "1s", "failure_threshold": 3}
+    )
+    footprint_s: float = 150.0
+    scrape_every: float = 5.0
+    flood_plan: str = "10000:2,50000:2,100000:2,200000:2,0:1"
+    flood_max_lines: int = 300_000
+    flood_gap: float = 0.5  # quiet seconds between the log writer's steps
+    broken_timeout: float = 3.0  # a decode slower than this counts as broken (false-ready check)
 
     @classmethod
     def default(cls) -> Settings:
-        return cls(
-            quick=False,
-            load_s=2.0,
-            warmup_s=1.0,
-            cycles=8,
-            poller_cycles=3,
-            poller_period=10.0,
-            false_ready_trials=3,
-            hang_trials=3,
-            hang_window=20.0,
-            hang_after=30,
-            hang_liveness={"interval": "1s", "timeout": "1s", "failure_threshold": 3},
-            footprint_s=150.0,
-            scrape_every=5.0,
-            flood_plan="10000:2,50000:2,100000:2,200000:2,0:1",
-            flood_max_lines=300_000,
-            flood_gap=0.5,
-            broken_timeout=3.0,
-        )
+        return cls()
 
     @classmethod
     def tiny(cls) -> Settings:
         return cls(
-            quick=True,
-            load_s=0.3,
-            warmup_s=0.1,
-            cycles=2,
-            poller_cycles=1,
-            poller_period=1.0,
-            false_ready_trials=1,
-            hang_trials=1,
-            hang_window=2.0,
-            hang_after=10,
-            hang_liveness={"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
-            footprint_s=2.0,
-            scrape_every=1.0,
-            flood_plan="10000:0.3,100000:0.3,0:1",
-            flood_max_lines=20_000,
-            flood_gap=0.2,
-            broken_timeout=1.0,
-        )
+            True, 0.3, 0.1, 2, 1, 1.0, 1, 1, 2.0, 10,
+            {"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
+            2.0, 1.0, "10000:0.3,100000:0.3,0:1", 20_000, 0.2, 1.0,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -292,20 +264,7 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
             r = obs.result(30)
             obs.close()
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": t_exit})
-            out["recovery"].append(
-                {
-                    "detect": t_exit - t_kill,
-                    "respawn": t_spawn - t_exit,
-                    "load": r["bind"] - t_spawn,
-                    "startsecs": t_run - t_spawn,
-                    "total": t_run - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": t_run}
-            )
+            _cycle(out, t_kill, death(10), t_exit, t_spawn, t_run, r, "startsecs", t_run - t_spawn)
             ctx.say(
                 f"  supervisord kill {i + 1}/{s.cycles}: noticed "
                 f"{(t_exit - t_kill) * 1000:.1f} ms, RUNNING again {t_run - t_kill:.2f} s"
@@ -314,6 +273,34 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
     finally:
         sv.stop()
     return out
+
+
+def _cycle(
+    out: dict[str, Any],
+    t_kill: float,
+    dead: float,
+    noticed: float,
+    spawned: float,
+    ready: float,
+    r: dict[str, float],
+    ready_key: str,
+    ready_after: float,
+) -> None:
+    """One kill of a baseline's server, to readiness reported again: its samples."""
+    out["death"].append({"kill": t_kill, "dead": dead, "noticed": noticed})
+    out["recovery"].append(
+        {
+            "detect": noticed - t_kill,
+            "respawn": spawned - noticed,
+            "load": r["bind"] - spawned,
+            ready_key: ready_after,
+            "total": ready - t_kill,
+            "serving": r["decode"] - t_kill,
+        }
+    )
+    out["readiness"].append(
+        {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready}
+    )
 
 
 def _box_work(ctx: Ctx, name: str) -> Path:
@@ -354,20 +341,8 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
             t = box.wait_restarted(unit, before["restarts"] or 0.0, t_kill, 30)
             exited, started, active = t["noticed"], t["started"], t["active"]
             assert exited is not None and started is not None and active is not None
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": exited})
-            out["recovery"].append(
-                {
-                    "detect": exited - t_kill,
-                    "respawn": started - exited,
-                    "load": r["bind"] - started,
-                    "ready_after_spawn": active - started,
-                    "total": active - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": active}
-            )
+            ready_after = ("ready_after_spawn", active - started)
+            _cycle(out, t_kill, death(10), exited, started, active, r, *ready_after)
             ctx.say(
                 f"  systemd kill {i + 1}/{s.cycles}: noticed "
                 f"{(exited - t_kill) * 1000:.1f} ms, active again {active - t_kill:.2f} s"
@@ -451,20 +426,8 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
             _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
             r = obs.result(wait_s)
             obs.close()
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": died["t"]})
-            out["recovery"].append(
-                {
-                    "detect": died["t"] - t_kill,
-                    "respawn": spawned["t"] - died["t"],
-                    "load": r["bind"] - spawned["t"],
-                    "ready_after_bind": ready["t"] - r["bind"],
-                    "total": ready["t"] - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready["t"]}
-            )
+            ready_after = ("ready_after_bind", ready["t"] - r["bind"])
+            _cycle(out, t_kill, death(10), died["t"], spawned["t"], ready["t"], r, *ready_after)
             ctx.say(
                 f"  poller kill {i + 1}/{s.poller_cycles}: noticed "
                 f"{died['t'] - t_kill:.2f} s, ready again {ready['t'] - t_kill:.2f} s"
