@@ -71,12 +71,13 @@ class Settings:
     watch_s: float  # how long a broken/hung replica is watched
     concurrency: int
     stream_every: int
+    client_timeout: float = 30.0  # a request to a hung replica fails after this
 
     @classmethod
     def make(cls, quick: bool, streams: bool, smoke: bool = False) -> Settings:
         every = 2 if streams else 0
         if smoke:  # the suite's form: every step runs, too short for figures
-            return cls(True, 0.3, 0.5, 2.0, 2, every)
+            return cls(True, 0.3, 0.5, 2.0, 2, every, client_timeout=3.0)
         if quick:
             return cls(True, 1.0, 2.0, 8.0, 3, every)
         return cls(False, 3.0, 5.0, 70.0, 4, every)
@@ -163,7 +164,7 @@ async def _listed_until(router: RouterProcess, url: str, limit: float) -> float 
 async def _load(router: RouterProcess, s: Settings) -> LoadGenerator:
     """The load generator, started, for the whole scenario."""
     return await LoadGenerator(
-        router.url, concurrency=s.concurrency, stream_every=s.stream_every
+        router.url, concurrency=s.concurrency, stream_every=s.stream_every, timeout=s.client_timeout
     ).start()
 
 

@@ -6,21 +6,27 @@ said so (its exit status, its own checks, the rows it prints); the numbers are n
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.__main__ import BENCHES, main
+from bench import BENCHES
+from bench.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 # Modules that are parts of the comparison run (`python -m bench` itself), not benches.
 PARTS = {
     "__init__",
     "__main__",
+    "compare",
     "common",
     "scenarios",
     "report",
@@ -34,17 +40,54 @@ PARTS = {
 }
 
 
-def bench(*args: str, timeout: float = 90) -> str:
-    """`python -m bench ARGS` from the repository root; its stdout, asserting exit 0."""
-    done = subprocess.run(
+# Each bench's suite form, started together (three at a time: they mostly wait on processes
+# they started) the first time a test asks for one; each test then checks its own.
+RUNS: dict[str, list[str]] = {
+    "fleet": ["fleet", "--smoke", "--only", "router-2s", "--json", "{tmp}/fleet.json"],
+    "multinode": ["multinode", "--rounds", "1", "--quick"],
+    "gpu-leftovers": ["gpu-leftovers", "--simulated", "--quick", "--out", "{tmp}"],
+    "incident-restart": ["incident-restart", "--quick"],
+    "downtime": [
+        *("downtime", "--standin", "--rounds", "1", "--only", "warm-off"),
+        *("--json", "{tmp}/downtime.json"),
+    ],
+    "slow-clients": ["slow-clients", "--clients", "4", "--seconds", "1"],
+    "real-sglang": ["real-sglang", "--standin", "--rounds", "1"],
+    "stack-dump": ["stack-dump", "--tp", "1", "--rounds", "1", "--budget", "0.5"],
+    "gpu-multi": ["gpu-multi", "--simulated", "--out", "{tmp}"],
+    "profile-pump": ["profile-pump", "--lines", "2000"],
+}
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "bench", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=240,
     )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    tmp = tmp_path_factory.mktemp("bench")
+    if importlib.util.find_spec("sglang_router") is None:
+        del RUNS["fleet"]
+    with ThreadPoolExecutor(3) as pool:
+        yield {
+            name: pool.submit(_run, [a.format(tmp=tmp) for a in args])
+            for name, args in RUNS.items()
+        } | {"tmp": pool.submit(lambda: tmp)}
+
+
+def bench(runs: dict[str, Future[Any]], name: str) -> tuple[str, Path]:
+    """The bench's stdout (asserting exit 0) and the directory its files went to."""
+    if name not in runs:
+        pytest.skip(f"{name}: not available here")
+    done = runs[name].result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return done.stdout, runs["tmp"].result()
 
 
 def test_every_bench_module_is_a_subcommand() -> None:
@@ -73,26 +116,41 @@ def test_help_lists_every_bench_and_each_has_its_own(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpu-leftovers", "gpu-fitness", "gpu-multi"])
-def test_gpu_bench_simulated(name: str, tmp_path: Path) -> None:
-    quick = ["--quick"] if name != "gpu-multi" else []
-    out = bench(name, "--simulated", *quick, "--out", str(tmp_path))
-    doc = json.loads((tmp_path / f"{name.replace('-', '_')}.json").read_text())
-    assert doc.get("simulated", doc.get("machine", {}).get("simulated")) is True
-    if name == "gpu-leftovers":
-        assert out.strip().endswith("PASS")
-        kinds = {p["name"]: (p["classified"], p["alive_after"]) for p in doc["processes"]}
-        assert kinds["foreign"] == ("foreign", True)
-        assert all(k == "leftover" and not a for n, (k, a) in kinds.items() if n != "foreign")
-        assert doc["blocked"]["rc"] == 1
-    else:
-        assert doc["checks"] and all(doc["checks"].values()), doc["checks"]
-        assert "FAIL" not in out
+def test_gpu_leftovers_simulated(runs: dict[str, Future[Any]]) -> None:
+    out, tmp = bench(runs, "gpu-leftovers")
+    doc = json.loads((tmp / "gpu_leftovers.json").read_text())
+    assert doc["machine"]["simulated"] is True
+    assert out.strip().endswith("PASS")
+    kinds = {p["name"]: (p["classified"], p["alive_after"]) for p in doc["processes"]}
+    assert kinds["foreign"] == ("foreign", True)
+    assert all(k == "leftover" and not a for n, (k, a) in kinds.items() if n != "foreign")
+    assert doc["blocked"]["rc"] == 1
 
 
 @pytest.mark.slow
-def test_real_sglang_rows_on_the_standin() -> None:
-    out = bench("real-sglang", "--standin", "--rounds", "1")
+def test_gpu_multi_simulated(runs: dict[str, Future[Any]]) -> None:
+    out, tmp = bench(runs, "gpu-multi")
+    doc = json.loads((tmp / "gpu_multi.json").read_text())
+    assert doc["simulated"] is True and len(doc["gpus"]) == 4
+    assert doc["checks"] and all(doc["checks"].values()), doc["checks"]
+    assert "FAIL" not in out
+
+
+@pytest.mark.slow
+def test_gpu_fitness_simulated(runs: dict[str, Future[Any]], tmp_path: Path) -> None:
+    # Alone, after the others: it checks that event waits return on time.
+    for run in runs.values():
+        run.exception()
+    done = _run(["gpu-fitness", "--simulated", "--quick", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "gpu_fitness.json").read_text())
+    assert doc["machine"]["simulated"] is True
+    assert doc["checks"] and all(doc["checks"].values()), doc["checks"]
+
+
+@pytest.mark.slow
+def test_real_sglang_rows_on_the_standin(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "real-sglang")
     for row in (
         "launch_to_ready_s",
         "readiness_lag_from_port_s",
@@ -104,18 +162,9 @@ def test_real_sglang_rows_on_the_standin() -> None:
 
 
 @pytest.mark.slow
-def test_downtime_on_the_standin(tmp_path: Path) -> None:
-    out = bench(
-        "downtime",
-        "--standin",
-        "--rounds",
-        "1",
-        "--only",
-        "warm-off",
-        "--json",
-        str(tmp_path / "d"),
-    )
-    (row,) = json.loads((tmp_path / "d").read_text())["rounds"]
+def test_downtime_on_the_standin(runs: dict[str, Future[Any]]) -> None:
+    out, tmp = bench(runs, "downtime")
+    (row,) = json.loads((tmp / "downtime.json").read_text())["rounds"]
     assert row["prewarm"] == "off" and row["cold"] is False
     assert row["downtime_s"] > 0
     assert row["share"]["stop_and_backoff_s"] >= 0.5  # the backoff is inside it
@@ -123,46 +172,45 @@ def test_downtime_on_the_standin(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_stack_dump() -> None:
-    out = bench("stack-dump", "--tp", "1", "--rounds", "1", "--budget", "0.5")
+def test_stack_dump(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "stack-dump")
     rows = [line for line in out.splitlines() if re.match(r"^\| \d+ \|", line)]
     assert len(rows) == 3, out
     assert "hanging py-spy, 0.5 s budget" in rows[2]
 
 
 @pytest.mark.slow
-def test_profile_pump() -> None:
-    out = bench("profile-pump", "--lines", "2000")
+def test_profile_pump(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "profile-pump")
     assert "2000 lines of" in out
     for piece in ("scan (LogScanner.feed)", "LogPump.lines", "whole pump: pipe"):
         assert re.search(rf"^ +[\d.]+  {re.escape(piece)}", out, re.M), piece
 
 
 @pytest.mark.slow
-def test_slow_clients() -> None:
-    out = bench("slow-clients", "--clients", "4", "--seconds", "1")
+def test_slow_clients(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "slow-clients")
     (row,) = [line for line in out.splitlines() if line.startswith("| 4 |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[2]) > 0 and cells[3] == "0", row  # probes answered, none failed
 
 
 @pytest.mark.slow
-def test_multinode() -> None:
-    out = bench("multinode", "--rounds", "1", "--quick", timeout=120)
+def test_multinode(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "multinode")
     assert re.search(r"^follower SGLang +[\d.]+ \(max", out, re.M), out
 
 
 @pytest.mark.slow
-def test_incident_restart() -> None:
-    out = bench("incident-restart", "--quick", timeout=120)
+def test_incident_restart(runs: dict[str, Future[Any]]) -> None:
+    out, _ = bench(runs, "incident-restart")
     assert re.search(r"^ +[\d.]+ median +\([\d.]+\) +real py-spy", out, re.M), out
 
 
 @pytest.mark.slow
-def test_fleet_smoke(tmp_path: Path) -> None:
-    pytest.importorskip("sglang_router")
-    bench("fleet", "--smoke", "--only", "router-2s", "--json", str(tmp_path / "f"), timeout=120)
-    doc = json.loads((tmp_path / "f").read_text())
+def test_fleet_smoke(runs: dict[str, Future[Any]]) -> None:
+    _, tmp = bench(runs, "fleet")
+    doc = json.loads((tmp / "fleet.json").read_text())
     assert doc["not_measured"] == {}
     got = doc["router-2s"]
     assert set(got) == {"planned_restart", "broken", "hung"}
