@@ -609,8 +609,9 @@ def scene(prefix: str) -> Scene:
 def holder_argv(
     holder: Path, gib: float, title: Sequence[str], mode: str = "-", sim_gpu: int | None = None
 ) -> list[str]:
+    """A holder's command line; simulated, one that holds memory is listed on GPU `sim_gpu`."""
     argv = [str(PYTHON), str(holder), str(gib), mode]
-    if sim_gpu is not None and os.environ.get("KIMI_SERVE_SIMULATED_GPUS"):
+    if sim_gpu is not None and gib > 0 and os.environ.get("KIMI_SERVE_SIMULATED_GPUS"):
         argv += ["--sim-gpu", str(sim_gpu)]
     return argv + list(title)
 

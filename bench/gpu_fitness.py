@@ -299,36 +299,16 @@ async def main_async(args: Any) -> int:
     }
     out["checks"] = checks
     write_json(args.out, "gpu_fitness.json", out)
-    print(
-        json.dumps(
-            {k: out[k] for k in ("machine", "health_read_ms", "health", "verdict_line")},
-            indent=1,
-            default=str,
-        )
-    )
-    print(json.dumps(out.get("raw_calls"), indent=1, default=str))
-    print(json.dumps(out.get("not_supported_path"), indent=1, default=str))
-    print(json.dumps(out["events"], indent=1, default=str))
-    print(
-        json.dumps(
-            {
-                k: c[k]
-                for k in (
-                    "gpu_with_orphans",
-                    "sweep",
-                    "sweep_s",
-                    "clean_s",
-                    "clean_message",
-                    "metric_series",
-                    "alive_after",
-                    "gpu_after",
-                    "fit_after",
-                )
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    shown = ("gpu_with_orphans", "sweep", "sweep_s", "clean_s", "clean_message")
+    shown += ("metric_series", "alive_after", "gpu_after", "fit_after")
+    for part in (
+        {k: out[k] for k in ("machine", "health_read_ms", "health", "verdict_line")},
+        out.get("raw_calls"),
+        out.get("not_supported_path"),
+        out["events"],
+        {k: c[k] for k in shown},
+    ):
+        print(json.dumps(part, indent=1, default=str))
     return verdict(checks)
 
 

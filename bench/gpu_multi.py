@@ -32,20 +32,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import (
-    Held,
-    MiB,
-    Sampler,
-    gpu_args,
-    holder_argv,
-    kill_held,
-    launch_orphans,
-    run_gpu_bench,
-    scene,
-    simulate_gpus,
-    verdict,
-    write_json,
-)
+from bench import common
 from supervisor import gpu
 from supervisor.config import GpusConfig
 from supervisor.daemon.metrics import Metrics
@@ -58,7 +45,7 @@ from testkit import free_port
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    env = simulate_gpus(4) if args.simulated else dict(os.environ)
+    env = common.simulate_gpus(4) if args.simulated else dict(os.environ)
     env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
     nvml = open_nvml()
     snaps = nvml.snapshot()
@@ -89,13 +76,13 @@ async def main_async(args: argparse.Namespace) -> int:
     events.close()
 
     # 2. The crash across every GPU.
-    holder, state, marker, _work = scene("kimi-multi-bench-")
+    holder, state, marker, _work = common.scene("kimi-multi-bench-")
     port = str(free_port())
 
     def job(
         i: int, gib: float, title: list[str], ours: bool, nccl_rank: int | None = None
     ) -> tuple[list[str], dict[str, str]]:
-        argv = holder_argv(holder, gib, title, "nccl" if nccl_rank is not None else "-", i)
+        argv = common.holder_argv(holder, gib, title, "nccl" if nccl_rank is not None else "-", i)
         e = {"CUDA_VISIBLE_DEVICES": uuids[i], "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         if ours:
             e[OWNER_ENV] = marker
@@ -116,7 +103,7 @@ async def main_async(args: argparse.Namespace) -> int:
     jobs.append(job(n - 1, args.gib / 2, ["launch_server", "--tp-size", str(n)], False))
     jobs.append(job(1, 0.25, ["trainer", "--epochs", "1"], False))
     started = time.monotonic()
-    held: list[Held] = launch_orphans(jobs, env, timeout=300)
+    held: list[common.Held] = common.launch_orphans(jobs, env, timeout=300)
     out["holders_ready_s"] = round(time.monotonic() - started, 2)
     idents = {i: h.ident for i, h in enumerate(held)}
     foreign = idents[n + 1]
@@ -124,12 +111,12 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         recorded = tuple(idents[i] for i in range(0, n, 2))
         RecordStore(str(state)).save(LaunchRecord(2**22 + 1, "primary", recorded))
-        before = {s.index: round(s.memory_used_bytes / MiB) for s in nvml.snapshot()}
+        before = {s.index: round(s.memory_used_bytes / common.MiB) for s in nvml.snapshot()}
 
         def read() -> dict[int, int]:
             return {s.index: s.memory_used_bytes for s in nvml.snapshot()}
 
-        sampler = Sampler(read)
+        sampler = common.Sampler(read)
         sampler.start()
         t0 = time.monotonic()
         owner = ProcessOwner(marker, lambda _l, _s, _x: None, lambda _c: None)
@@ -147,7 +134,7 @@ async def main_async(args: argparse.Namespace) -> int:
         per_gpu = []
         for i in range(n):
             final = sampler.samples[-1][1][i]
-            back = sampler.first(t0, lambda g, i=i, final=final: g[i] <= final + 64 * MiB)
+            back = sampler.first(t0, lambda g, i=i, final=final: g[i] <= final + 64 * common.MiB)
             counted = metrics.registry.get_sample_value(
                 "kimi_serve_gpu_leftover_processes_killed_total", {"gpu": str(i), "UUID": uuids[i]}
             )
@@ -156,7 +143,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     "gpu": i,
                     "uuid": uuids[i],
                     "used_mib_before": before[i],
-                    "used_mib_after": round(final / MiB),
+                    "used_mib_after": round(final / common.MiB),
                     "memory_back_s": back,
                     "leftovers_counted": counted,
                 }
@@ -172,7 +159,7 @@ async def main_async(args: argparse.Namespace) -> int:
         }
 
         # 3. A GPU outside gpus.devices is never touched.
-        (outside,) = launch_orphans(
+        (outside,) = common.launch_orphans(
             [job(n - 1, 0.25, ["launch_server", "--port", "30001"], False)], env, timeout=120
         )
         outside_ident = idents[-1] = outside.ident
@@ -185,7 +172,7 @@ async def main_async(args: argparse.Namespace) -> int:
             "alive": live_process(outside_ident) is not None,
         }
     finally:
-        kill_held([Held(i, "", 0) for i in idents.values()])
+        common.kill_held([common.Held(i, "", 0) for i in idents.values()])
         nvml.close()
 
     c = out["crash"]
@@ -204,7 +191,7 @@ async def main_async(args: argparse.Namespace) -> int:
         and out["outside"]["found"] == [],
     }
     out["checks"] = checks
-    write_json(args.out, "gpu_multi.json", out)
+    common.write_json(args.out, "gpu_multi.json", out)
     print(f"{n} GPUs, driver {out.get('driver', '-')}; holders ready in {out['holders_ready_s']}s")
     print(f"{'GPU':<4} {'UUID':<42} {'MiB before':>10} {'after':>6} {'back s':>7} {'counted':>7}")
     for g in c["per_gpu"]:
@@ -215,12 +202,12 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     print(c["sweep"]["message"])
     print(c["clean_message"])
-    return verdict(checks)
+    return common.verdict(checks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = gpu_args("gpu-multi", __doc__ or "", "GiB each scheduler allocates", index=False)
-    return run_gpu_bench(main_async, ap.parse_args(argv))
+    ap = common.gpu_args("gpu-multi", __doc__ or "", "GiB each scheduler allocates", index=False)
+    return common.run_gpu_bench(main_async, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

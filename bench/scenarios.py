@@ -449,6 +449,18 @@ def _flood_env(ctx: Ctx, result: Path) -> dict[str, str]:
     }
 
 
+def _flood_steps_cpu(ctx: Ctx, result: Path, pid: int) -> list[dict[str, Any]]:
+    """The writer's steps, each with the supervisor's CPU share from its start to drained."""
+    cpu = CpuSampler(pid)
+    steps = _flood_steps(result, _plan_seconds(ctx))
+    cpu.stop()
+    for step in steps:
+        step["cpu"] = cpu.between(step["start"], step["drained"]) / (
+            step["drained"] - step["start"]
+        )
+    return steps
+
+
 def _flood_steps(result: Path, timeout: float) -> list[dict[str, Any]]:
     import json
 
@@ -490,14 +502,7 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     try:
         ks.start()
         ks.wait_state("loading", 60)
-        cpu = CpuSampler(ks.pid)
-        steps = _flood_steps(result, _plan_seconds(ctx))
-        cpu.stop()
-        for step in steps:
-            step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                step["drained"] - step["start"]
-            )
-        out["kimi-serve"] = steps
+        out["kimi-serve"] = steps = _flood_steps_cpu(ctx, result, ks.pid)
         metrics = _get(ks.admin + "/metrics")
         out["kimi-serve-counted"] = _metric(metrics, 'kimi_serve_log_lines_total{stream="stderr"}')
         out["kimi-serve-written"] = sum(st["lines"] for st in steps)
@@ -515,14 +520,7 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
         try:
             sv.start()
             sv.wait(sv_mod.SPAWNED, 30)
-            cpu = CpuSampler(sv.pid)
-            steps = _flood_steps(result, _plan_seconds(ctx))
-            cpu.stop()
-            for step in steps:
-                step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                    step["drained"] - step["start"]
-                )
-            out["supervisord"] = steps
+            out["supervisord"] = _flood_steps_cpu(ctx, result, sv.pid)
         finally:
             sv.stop()
         ctx.say("  log pump: supervisord done")
