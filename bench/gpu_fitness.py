@@ -34,20 +34,7 @@ import os
 import time
 from typing import Any
 
-from bench.common import (
-    Gpu,
-    Held,
-    MiB,
-    gpu_args,
-    holder_argv,
-    kill_held,
-    launch_orphans,
-    run_gpu_bench,
-    scene,
-    simulate_gpus,
-    verdict,
-    write_json,
-)
+from bench import common
 from supervisor import gpu
 from supervisor.config import GpusConfig
 from supervisor.daemon.metrics import Metrics
@@ -167,8 +154,8 @@ async def events_phase(source: Any, quick: bool) -> dict[str, Any]:
     return out
 
 
-async def crash_phase(gpu_: Gpu, env: dict[str, str], gib: float) -> dict[str, Any]:
-    holder, state, marker, _work = scene("kimi-fitness-bench-")
+async def crash_phase(gpu_: common.Gpu, env: dict[str, str], gib: float) -> dict[str, Any]:
+    holder, state, marker, _work = common.scene("kimi-fitness-bench-")
     ours = {OWNER_ENV: marker}
     names = [
         "scheduler (recorded)",
@@ -177,22 +164,24 @@ async def crash_phase(gpu_: Gpu, env: dict[str, str], gib: float) -> dict[str, A
         "trainer (foreign)",
     ]
     jobs = [
-        (holder_argv(holder, gib, ["sglang::scheduler_TP0"], sim_gpu=0), ours),
-        (holder_argv(holder, 0, ["sglang::detokenizer"]), ours),
-        (holder_argv(holder, gib / 2, ["launch_server", "--tp-size", "1"], sim_gpu=0), {}),
-        (holder_argv(holder, 0.25, ["trainer", "--epochs", "1"], sim_gpu=0), {}),
+        (common.holder_argv(holder, gib, ["sglang::scheduler_TP0"], sim_gpu=0), ours),
+        (common.holder_argv(holder, 0, ["sglang::detokenizer"]), ours),
+        (common.holder_argv(holder, gib / 2, ["launch_server", "--tp-size", "1"], sim_gpu=0), {}),
+        (common.holder_argv(holder, 0.25, ["trainer", "--epochs", "1"], sim_gpu=0), {}),
     ]
     result: dict[str, Any] = {}
-    held: list[Held] = []
+    held: list[common.Held] = []
     try:
-        held = launch_orphans(jobs, env, timeout=180)
+        held = common.launch_orphans(jobs, env, timeout=180)
         # What a SIGKILLed daemon leaves: its record naming the scheduler, and processes with
         # its marker. The daemon pid is dead.
         RecordStore(str(state)).save(LaunchRecord(2**22 + 1, "primary", (held[0].ident,)))
         used, procs = gpu_.read()
         result["gpu_with_orphans"] = {
-            "used_mib": round(used / MiB),
-            "processes": {str(p): None if b is None else round(b / MiB) for p, b in procs.items()},
+            "used_mib": round(used / common.MiB),
+            "processes": {
+                str(p): None if b is None else round(b / common.MiB) for p, b in procs.items()
+            },
             "parents": {n: h.ppid for n, h in zip(names, held, strict=True)},
         }
         nvml = open_nvml()
@@ -242,15 +231,15 @@ async def crash_phase(gpu_: Gpu, env: dict[str, str], gib: float) -> dict[str, A
             },
         )
         used2, procs2 = gpu_.read()
-        result["gpu_after"] = {"used_mib": round(used2 / MiB), "processes": sorted(procs2)}
+        result["gpu_after"] = {"used_mib": round(used2 / common.MiB), "processes": sorted(procs2)}
     finally:
-        kill_held(held)
+        common.kill_held(held)
     return result
 
 
 async def main_async(args: Any) -> int:
-    env = simulate_gpus(1) if args.simulated else dict(os.environ)
-    g = Gpu(args.gpu, args.simulated)
+    env = common.simulate_gpus(1) if args.simulated else dict(os.environ)
+    g = common.Gpu(args.gpu, args.simulated)
     env = g.pin(env)
     out: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -298,7 +287,7 @@ async def main_async(args: Any) -> int:
         "clean ok": c["clean"]["ok"],
     }
     out["checks"] = checks
-    write_json(args.out, "gpu_fitness.json", out)
+    common.write_json(args.out, "gpu_fitness.json", out)
     shown = ("gpu_with_orphans", "sweep", "sweep_s", "clean_s", "clean_message")
     shown += ("metric_series", "alive_after", "gpu_after", "fit_after")
     for part in (
@@ -309,13 +298,13 @@ async def main_async(args: Any) -> int:
         {k: c[k] for k in shown},
     ):
         print(json.dumps(part, indent=1, default=str))
-    return verdict(checks)
+    return common.verdict(checks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = gpu_args("gpu-fitness", __doc__ or "", "GiB the recorded orphan allocates")
+    ap = common.gpu_args("gpu-fitness", __doc__ or "", "GiB the recorded orphan allocates")
     ap.add_argument("--quick", action="store_true", help="one short event wait (the suite's form)")
-    return run_gpu_bench(main_async, ap.parse_args(argv))
+    return common.run_gpu_bench(main_async, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

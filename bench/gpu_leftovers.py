@@ -35,21 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    PYTHON,
-    REPO_ROOT,
-    Gpu,
-    Held,
-    MiB,
-    Sampler,
-    gpu_args,
-    holder_argv,
-    kill_held,
-    launch_orphans,
-    scene,
-    simulate_gpus,
-    write_json,
-)
+from bench import common
 from supervisor.process.identity import LaunchRecord, ProcessIdentity, RecordStore, live_process
 
 
@@ -65,12 +51,12 @@ class Spec:
 
 def gpu_clean(config: Path, env: dict[str, str], dry_run: bool) -> dict[str, Any]:
     """`kimi-serve gpu-clean`, as the console script runs it (supervisor.cli's main)."""
-    argv = [str(PYTHON), "-m", "supervisor.cli", "gpu-clean", "--config", str(config)]
+    argv = [str(common.PYTHON), "-m", "supervisor.cli", "gpu-clean", "--config", str(config)]
     started = time.monotonic()
     p = subprocess.run(
         argv + (["--dry-run"] if dry_run else []),
-        env={**env, "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
+        env={**env, "PYTHONPATH": str(common.REPO_ROOT)},
+        cwd=common.REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -103,7 +89,9 @@ def parse_rows(stdout: str) -> dict[int, dict[str, str]]:
     return rows
 
 
-def write_config(path: Path, state_dir: Path, gpu: Gpu, timeout: str, threshold_mib: int) -> None:
+def write_config(
+    path: Path, state_dir: Path, gpu: common.Gpu, timeout: str, threshold_mib: int
+) -> None:
     path.write_text(
         "sglang: {model_path: /nonexistent/model}\n"
         f"state_dir: {state_dir}\n"
@@ -116,12 +104,12 @@ def write_config(path: Path, state_dir: Path, gpu: Gpu, timeout: str, threshold_
     )
 
 
-def start(specs: list[Spec], holder: Path, env: dict[str, str]) -> list[Held]:
+def start(specs: list[Spec], holder: Path, env: dict[str, str]) -> list[common.Held]:
     jobs = [
-        (holder_argv(holder, s.gib, s.title, "ignore-term" if s.ignore_term else "-", 0), {})
+        (common.holder_argv(holder, s.gib, s.title, "ignore-term" if s.ignore_term else "-", 0), {})
         for s in specs
     ]
-    return launch_orphans(jobs, env, timeout=180)
+    return common.launch_orphans(jobs, env, timeout=180)
 
 
 def specs_for(gib: float) -> list[Spec]:
@@ -136,17 +124,17 @@ def specs_for(gib: float) -> list[Spec]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = gpu_args("gpu-leftovers", __doc__ or "", "GiB each leftover allocates")
+    ap = common.gpu_args("gpu-leftovers", __doc__ or "", "GiB each leftover allocates")
     ap.add_argument(
         "--quick", action="store_true", help="no SIGTERM-ignoring holder, 1 s to be blocked"
     )
     args = ap.parse_args(argv)
     # Simulated: one size for every process (1 GiB), under the threshold as the real foreign
     # process is (the simulation has no per-process sizes).
-    env = simulate_gpus(args.gpu + 1) if args.simulated else dict(os.environ)
-    gpu = Gpu(args.gpu, args.simulated)
+    env = common.simulate_gpus(args.gpu + 1) if args.simulated else dict(os.environ)
+    gpu = common.Gpu(args.gpu, args.simulated)
     env = gpu.pin(env)
-    holder, state, _marker, work = scene("kimi-gpu-bench-")
+    holder, state, _marker, work = common.scene("kimi-gpu-bench-")
     specs = [s for s in specs_for(args.gib) if not (args.quick and s.ignore_term)]
     cfg = work / "kimi-serve.yaml"
     # The foreign process keeps ~1 GiB (its CUDA context and 0.25 GiB) on the GPU: "free"
@@ -156,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     used0, procs0 = gpu.read()
     result: dict[str, Any] = {
         "machine": gpu.machine(),
-        "gpu_before": {"used_mib": used0 / MiB, "processes": sorted(procs0)},
+        "gpu_before": {"used_mib": used0 / common.MiB, "processes": sorted(procs0)},
         "threshold_mib": threshold_mib,
     }
-    held: list[Held] = []
-    blocker: list[Held] = []
+    held: list[common.Held] = []
+    blocker: list[common.Held] = []
     try:
         t = time.monotonic()
         held = start(specs, holder, env)
@@ -174,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         RecordStore(str(state)).save(LaunchRecord(dead_daemon, "primary", recorded))
         used1, procs1 = gpu.read()
         result["gpu_with_leftovers"] = {
-            "used_mib": round(used1 / MiB),
-            "processes": {str(p): None if b is None else round(b / MiB) for p, b in procs1.items()},
+            "used_mib": round(used1 / common.MiB),
+            "processes": {
+                str(p): None if b is None else round(b / common.MiB) for p, b in procs1.items()
+            },
         }
         dry = gpu_clean(cfg, env, dry_run=True)
         dry["all_alive_after"] = all(live_process(h.ident) for h in held)
@@ -186,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             alive = frozenset(h.ident.pid for h in held if live_process(h.ident) is not None)
             return used, frozenset(procs), alive
 
-        sampler = Sampler(read)
+        sampler = common.Sampler(read)
         sampler.start()
         clean = gpu_clean(cfg, env, dry_run=False)
         time.sleep(0.5)  # a little tail of samples after gpu-clean returned
@@ -216,24 +206,24 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         last_death = max((p["died_at_s"] or 0.0) for p in procs_out if p["expected"] == "leftover")
-        released = sampler.first(t0, lambda v: v[0] <= final_used + 64 * MiB)
+        released = sampler.first(t0, lambda v: v[0] <= final_used + 64 * common.MiB)
         m = re.search(r"memory free after ([\d.]+)s", clean["stdout"])
         result["clean"] = clean | {
             "reported_release_s": float(m.group(1)) if m else None,
             "samples": len(samples),
-            "used_mib_before": round(samples[0][1][0] / MiB),
-            "used_mib_after": round(final_used / MiB),
+            "used_mib_before": round(samples[0][1][0] / common.MiB),
+            "used_mib_after": round(final_used / common.MiB),
             "memory_back_at_s": released,
             "memory_back_after_last_death_s": None
             if released is None
             else round(released - last_death, 3) + 0.0,
             "timeline_mib": [
-                [round(ts - t0, 3), round(v[0] / MiB), len(v[1])] for ts, v in samples[::5]
+                [round(ts - t0, 3), round(v[0] / common.MiB), len(v[1])] for ts, v in samples[::5]
             ],
         }
         result["processes"] = procs_out
         result["foreign_survived"] = live_process(foreign) is not None
-        kill_held(held)
+        common.kill_held(held)
 
         # A foreign process holding memory over the threshold: the launch must not go ahead.
         blocker = start([Spec("foreign, 4 GiB", 4.0, ["trainer-big"], "foreign")], holder, env)
@@ -249,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         result["blocked"] = blocked
     finally:
         everyone = held + blocker
-        kill_held(everyone)
+        common.kill_held(everyone)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             _, procs = gpu.read()
@@ -258,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             }:
                 break
             time.sleep(0.05)
-    write_json(args.out, "gpu_leftovers.json", result)
+    common.write_json(args.out, "gpu_leftovers.json", result)
     report(result)
     ok = (
         result["dry_run"]["all_alive_after"]

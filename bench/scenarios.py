@@ -19,7 +19,7 @@ import contextlib
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -698,6 +698,19 @@ def _fr_count(trials: list[dict[str, Any]]) -> int:
     return sum(1 for t in trials if not t["decode_ok"] and t["still_ready"])
 
 
+def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
+    """A baseline under the decode hang: the onset, and the watcher's `window` event once it
+    had watched for `hang_window` seconds after it."""
+    obs = Observer(
+        ctx.procs, port, fresh=False, mode="hang", window=ctx.s.hang_window, timeout=60,
+        prefix=prefix,
+    )  # fmt: skip
+    onset = float(obs.event("onset", timeout=70)["t"])
+    window = obs.event("window", timeout=ctx.s.hang_window + 30)
+    obs.close()
+    return onset, window
+
+
 def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
     s = ctx.s
     work = ctx.dir("supervisord-hang")
@@ -707,17 +720,7 @@ def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
     try:
         sv.start()
         sv.wait(sv_mod.RUNNING, 60)
-        obs = Observer(
-            ctx.procs,
-            int(cfg["sglang"]["port"]),
-            fresh=False,
-            mode="hang",
-            window=s.hang_window,
-            timeout=60,
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]))
         assert sv.log is not None
         restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
         trial = {
@@ -774,18 +777,7 @@ def systemd_faults(ctx: Ctx) -> dict[str, Any]:
     box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
     try:
         box.start(unit)
-        obs = Observer(
-            ctx.procs,
-            int(cfg["sglang"]["port"]),
-            fresh=False,
-            mode="hang",
-            window=s.hang_window,
-            timeout=60,
-            prefix=box.prefix,
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]), box.prefix)
         t = box.times(unit)
         hang = [
             {
@@ -839,12 +831,7 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
     pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20, env=_hang_env(s))
     try:
         pr.wait("ready", wait_s)
-        obs = Observer(
-            ctx.procs, pr.port, fresh=False, mode="hang", window=s.hang_window, timeout=60
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, pr.port)
         noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died") and e["t"] > onset)
         hang = [
             {
