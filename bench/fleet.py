@@ -44,8 +44,9 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import parser
+from bench.common import daemon_env, parser
 from bench.loadgen import LoadGenerator
+from testkit import DaemonProcess
 from testkit.fleet import ListWatch, replica_config, user_arrivals
 from testkit.router import RouterProcess, free_port
 from testkit.standin import Standin
@@ -229,55 +230,40 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
         }
 
 
-class _Daemon:
+def _daemon(tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> DaemonProcess:
     """`kimi-serve run` for one replica, with router.url set."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = replica_config(tmp, router.url, env)
+    path = tmp / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return DaemonProcess.start(path, cfg, daemon_env())
 
-    def __init__(self, tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.cfg = replica_config(tmp, router.url, env)
-        self.path = tmp / "kimi-serve.yaml"
-        self.path.write_text(yaml.safe_dump(self.cfg))
-        exe = Path(sys.executable).with_name("kimi-serve")
-        self.proc = subprocess.Popen(
-            [str(exe), "run", "--config", str(self.path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.admin = f"http://{self.cfg['admin']['listen']}"
-        self.url = f"http://127.0.0.1:{self.cfg['sglang']['port']}"
 
-    def status(self) -> dict[str, Any]:
-        token = Path(self.cfg["state_dir"]) / "admin.token"
-        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
-        doc: dict[str, Any] = httpx.get(
-            self.admin + "/status", timeout=5, headers=headers, trust_env=False
-        ).json()
-        return doc
+def _url(d: DaemonProcess) -> str:
+    return f"http://127.0.0.1:{d.cfg['sglang']['port']}"
 
-    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            # OSError: the admin token is written once the daemon has started.
-            with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
-                if pred(self.status()):
-                    return
-            time.sleep(0.1)
-        raise TimeoutError("the daemon did not get there")
 
-    def restart(self) -> None:
-        token = Path(self.cfg["state_dir"]) / "admin.token"
-        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
-        r = httpx.post(self.admin + "/restart", headers=headers, timeout=5, trust_env=False)
-        r.raise_for_status()
-        # Out of ready first, so the wait for ready below is for the new launch.
-        self.wait(lambda doc: doc.get("state") != "ready", 10)
+def _until(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
+    """Until `pred` holds for the daemon's /status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # OSError: the admin token is written once the daemon has started.
+        with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
+            if pred(d.status()):
+                return
+        time.sleep(0.1)
+    raise TimeoutError("the daemon did not get there")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+
+def _restart(d: DaemonProcess) -> None:
+    d.post("/restart").raise_for_status()
+    # Out of ready first, so the wait for ready below is for the new launch.
+    _until(d, lambda doc: doc.get("state") != "ready", 10)
+
+
+def _stop(d: DaemonProcess) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        d.stop(30)
 
 
 class NotIntegrated(RuntimeError):
@@ -286,22 +272,23 @@ class NotIntegrated(RuntimeError):
 
 async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
     router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
-    daemons = [_Daemon(tmp / "a", router, {}), _Daemon(tmp / "b", router, {})]
+    daemons = [_daemon(tmp / "a", router, {}), _daemon(tmp / "b", router, {})]
     try:
         for d in daemons:
-            await asyncio.to_thread(d.wait, lambda doc: doc.get("state") == "ready")
+            await asyncio.to_thread(_until, d, lambda doc: doc.get("state") == "ready")
             if "router" not in daemons[0].status():
                 raise NotIntegrated("the daemon's /status has no router section yet")
             await asyncio.to_thread(
-                d.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+                _until, d, lambda doc: bool((doc.get("router") or {}).get("registered"))
             )
         load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
-            await asyncio.to_thread(daemons[1].restart)
+            await asyncio.to_thread(_restart, daemons[1])
             await asyncio.to_thread(
-                daemons[1].wait,
+                _until,
+                daemons[1],
                 lambda doc: (
                     doc.get("state") == "ready"
                     and bool((doc.get("router") or {}).get("registered"))
@@ -313,7 +300,7 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
         return stats.to_dict()
     finally:
         for d in daemons:
-            d.stop()
+            _stop(d)
         router.cleanup()
 
 
@@ -337,21 +324,22 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
     seconds it stayed listed once broken."""
     router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
     hang = fault is HANG
-    a = _Daemon(tmp / "a", router, {})
-    b: _Daemon | None = None
+    a = _daemon(tmp / "a", router, {})
+    b: DaemonProcess | None = None
     try:
         await asyncio.to_thread(
-            a.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+            _until, a, lambda doc: bool((doc.get("router") or {}).get("registered"))
         )
         with ListWatch(router.url) as watch:
             load = await _load(router, s)
             try:
                 await asyncio.sleep(s.warm_s)
                 began = load.mark("broken replica started")
-                b = _Daemon(tmp / "b", router, {**fault, **FIRST})
+                b = _daemon(tmp / "b", router, {**fault, **FIRST})
                 # Sound again: the second launch is decode-verified and registered.
                 await asyncio.to_thread(
-                    b.wait,
+                    _until,
+                    b,
                     lambda doc: (
                         doc.get("state") == "ready"
                         and (doc.get("restarts") or {}) != {}
@@ -363,7 +351,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                 await asyncio.sleep(s.after_s)
             finally:
                 stats = await load.stop()
-        url = b.url
+        url = _url(b)
         if hang:
             # The hang begins with the decode after HANG_AFTER (probes count); it ends when
             # the router stops listing the replica.
@@ -388,7 +376,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
     finally:
         for d in (a, b):
             if d is not None:
-                d.stop()
+                _stop(d)
         router.cleanup()
 
 
