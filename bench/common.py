@@ -1,5 +1,6 @@
-"""What every scenario needs: processes that are always cleaned up, a notify socket, a log
-follower, the serving watcher, statistics.
+"""What the benches share: processes that are always cleaned up, a notify socket, a log
+follower, the serving watcher, statistics, the daemon's event times; for the GPU benches the
+holder processes, their launcher, the simulated NVML switch, a sampler and the checks' verdict.
 
 All times are wall-clock seconds (`time.time()`): the daemons stamp their logs with wall
 time, and everything runs on one machine, so a kill, a log line and a datagram compare

@@ -39,6 +39,7 @@ from bench.common import (
     http_status,
     is_ready_msg,
     kill_now,
+    state_is,
     wait_until,
 )
 from bench.kimi import KimiServe, bench_config, launch_spec
@@ -130,10 +131,6 @@ def _first(events: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool])
     return float("nan")
 
 
-def _state(new: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda e: e.get("event") == "state" and e.get("new") == new
-
-
 def _named(name: str) -> Callable[[dict[str, Any]], bool]:
     return lambda e: e.get("event") == name
 
@@ -185,13 +182,13 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                 raise BenchError("kimi-serve sent no STATUS=restarting / READY=1 after a kill")
             assert ks.lines is not None
             evs = ks.lines.events[start:]
-            restarting = _first(evs, _state("restarting"))
+            restarting = _first(evs, state_is("restarting"))
             gone = _first(evs, _named("sglang restart"))
-            cleaning = _first(evs, _state("cleaning"))
-            launching = _first(evs, _state("launching"))
-            loading = _first(evs, _state("loading"))
-            warming = _first(evs, _state("warming"))
-            ready_state = _first(evs, _state("ready"))
+            cleaning = _first(evs, state_is("cleaning"))
+            launching = _first(evs, state_is("launching"))
+            loading = _first(evs, state_is("loading"))
+            warming = _first(evs, state_is("warming"))
+            ready_state = _first(evs, state_is("ready"))
             out["death"].append(
                 {
                     "kill": t_kill,
@@ -609,7 +606,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             start, ev = ks.wait_state("restarting", 120, start)
             assert ks.lines is not None
             # The port opened (warming) before the probe found the launch broken.
-            warming = [e for e in ks.lines.events[:start] if _state("warming")(e)]
+            warming = [e for e in ks.lines.events[:start] if state_is("warming")(e)]
             verdicts.append(
                 {
                     "reason": ev["reason"],
@@ -621,7 +618,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
         stop.set()
         poller.join(2)
         ready_msgs = ns.count(is_ready_msg, t0)
-        ready_states = len(ks.lines.find(_state("ready"))) if ks.lines else 0
+        ready_states = len(ks.lines.find(state_is("ready"))) if ks.lines else 0
     finally:
         stop.set()
         ks.stop()
