@@ -40,7 +40,7 @@ PARTS = {
 }
 
 
-# Each bench's suite form, started together (three at a time: they mostly wait on processes
+# Each bench's suite form, started together (four at a time: they mostly wait on processes
 # they started) the first time a test asks for one; each test then checks its own.
 RUNS: dict[str, list[str]] = {
     "fleet": ["fleet", "--smoke", "--only", "router-2s", "--json", "{tmp}/fleet.json"],
@@ -74,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[
     tmp = tmp_path_factory.mktemp("bench")
     if importlib.util.find_spec("sglang_router") is None:
         del RUNS["fleet"]
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         yield {
             name: pool.submit(_run, [a.format(tmp=tmp) for a in args])
             for name, args in RUNS.items()
