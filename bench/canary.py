@@ -1,6 +1,6 @@
-"""`python -m bench.canary`: how stable greedy text is on the real SGLang 0.5.23 server (CPU).
+"""`python -m bench canary`: how stable greedy text is on the real SGLang 0.5.23 server (CPU).
 
-    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench.canary [--n 100] [--json F]
+    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench canary [--n 100] [--json F]
 
 The figures a canary comparison is designed on (docs/realsglang.md quotes them). For each of
 the tiny random model (tools/make-tiny-model) and the confident canary model
@@ -24,7 +24,6 @@ which position, by how many of the 16 tokens, and how far its logprobs moved.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import parser
 from tests.realsglang import server as real
 
 TOKENS = real.CANARY_TOKENS
@@ -210,7 +210,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.canary")
+    ap = parser("canary", __doc__)
     ap.add_argument("--n", type=int, default=100, help="generations per condition")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the servers' logs in this directory")

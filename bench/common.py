@@ -1,5 +1,6 @@
-"""What every scenario needs: processes that are always cleaned up, a notify socket, a log
-follower, the serving watcher, statistics.
+"""What the benches share: processes that are always cleaned up, a notify socket, a log
+follower, the serving watcher, statistics, the daemon's event times; for the GPU benches the
+holder processes, their launcher, the simulated NVML switch, a sampler and the checks' verdict.
 
 All times are wall-clock seconds (`time.time()`): the daemons stamp their logs with wall
 time, and everything runs on one machine, so a kill, a log line and a datagram compare
@@ -8,23 +9,26 @@ directly.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
 import os
+import select
 import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -504,3 +508,286 @@ def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
         return float(end["t"])
 
     return float(ev["t"]), dead
+
+
+# ---------------------------------------------------------------------------- event times
+
+
+def at(event: Mapping[str, Any]) -> float:
+    """Unix time of one of the daemon's JSON log lines (its `timestamp`)."""
+    return iso_time(str(event["timestamp"]))
+
+
+def state_is(to: str) -> Callable[[Mapping[str, Any]], bool]:
+    """Matches the daemon's `state` log event into state `to`."""
+    return lambda e: e.get("event") == "state" and e.get("new") == to
+
+
+def daemon_env() -> dict[str, str]:
+    """This environment without NOTIFY_SOCKET, for a daemon started by hand."""
+    return {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+
+
+# ---------------------------------------------------------------------------- GPU benches
+# What bench/gpu_leftovers.py, gpu_fitness.py and gpu_multi.py share: the holder processes (a
+# GPU allocation with torch, or a simulated one), started as orphans through a launcher that
+# exits at once, as SGLang's schedulers are when the daemon above them dies; the simulated
+# NVML for runs without a GPU; a sampler; the way a run ends.
+
+MiB = 1 << 20
+
+# argv: GIB MODE TITLE...; MODE "-", "ignore-term" or "nccl" (env BENCH_RANK/WORLD/PORT).
+# Reports "pid result" on BENCH_READY_FD once its memory is taken (and the all-reduce done).
+HOLDER = r"""
+import os, signal, sys
+gib, mode = float(sys.argv[1]), sys.argv[2]
+result = "-"
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if not os.environ.get("KIMI_SERVE_SIMULATED_GPUS"):
+    import torch
+    if mode == "nccl":
+        import torch.distributed as dist
+        rank, world = int(os.environ["BENCH_RANK"]), int(os.environ["BENCH_WORLD"])
+        dist.init_process_group(
+            "nccl", init_method="tcp://127.0.0.1:" + os.environ["BENCH_PORT"],
+            rank=rank, world_size=world, device_id=torch.device("cuda", 0))
+        t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        result = "%g" % t[0].item()
+    if gib > 0:
+        x = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+        x.fill_(1)
+        torch.cuda.synchronize()
+fd = int(os.environ["BENCH_READY_FD"])
+os.write(fd, ("%d %s\n" % (os.getpid(), result)).encode())
+os.close(fd)
+while True:
+    signal.pause()
+"""
+# Starts each [argv, env] in a session of its own and exits: the holders become orphans.
+LAUNCHER = r"""
+import json, os, subprocess, sys
+fd = int(os.environ["BENCH_READY_FD"])
+for argv, env in json.loads(sys.argv[1]):
+    subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, pass_fds=(fd,),
+                     stdin=subprocess.DEVNULL)
+"""
+
+
+def simulate_gpus(count: int) -> dict[str, str]:
+    """Switch this process (and what it starts) to the simulated NVML with `count` GPUs; every
+    simulated process holds 1 GiB. Returns the environment for the holders."""
+    os.environ.update(
+        KIMI_SERVE_SIMULATED_GPUS=str(count),
+        KIMI_SERVE_SIM_TAG=f"bench-{uuid.uuid4().hex[:8]}",
+        KIMI_SERVE_SIMULATED_GPU_MIB="1024",
+    )
+    return dict(os.environ)
+
+
+class Scene(NamedTuple):
+    holder: Path  # the holder script, written out
+    state: Path  # the dead daemon's state directory (its launch record goes here)
+    marker: str  # the owner marker of a daemon with that state directory
+    work: Path
+
+
+def scene(prefix: str) -> Scene:
+    """What a SIGKILLed daemon leaves behind: a work directory, its state directory and the
+    owner marker derived from it; the holder script beside them."""
+    from supervisor.process.identity import owner_marker
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    holder = work / "holder.py"
+    holder.write_text(HOLDER)
+    state = work / "state"
+    state.mkdir()
+    return Scene(holder, state, owner_marker(str(state)), work)
+
+
+def holder_argv(
+    holder: Path, gib: float, title: Sequence[str], mode: str = "-", sim_gpu: int | None = None
+) -> list[str]:
+    """A holder's command line; simulated, one that holds memory is listed on GPU `sim_gpu`."""
+    argv = [str(PYTHON), str(holder), str(gib), mode]
+    if sim_gpu is not None and gib > 0 and os.environ.get("KIMI_SERVE_SIMULATED_GPUS"):
+        argv += ["--sim-gpu", str(sim_gpu)]
+    return argv + list(title)
+
+
+@dataclass(frozen=True)
+class Held:
+    ident: Any  # supervisor.process.identity.ProcessIdentity
+    result: str  # what the holder reported ("-", or the all-reduce's value)
+    ppid: int  # its parent once the launcher had exited
+
+
+def launch_orphans(
+    jobs: Sequence[tuple[list[str], Mapping[str, str]]], env: Mapping[str, str], timeout: float
+) -> list[Held]:
+    """Start every (argv, extra env) job as an orphan; one Held per job, in job order."""
+    from supervisor.process.identity import identity_of
+
+    r, w = os.pipe()
+    launcher = subprocess.Popen(
+        [str(PYTHON), "-c", LAUNCHER, json.dumps([[a, dict(e)] for a, e in jobs])],
+        env={**env, "BENCH_READY_FD": str(w)},
+        pass_fds=(w,),
+    )
+    os.close(w)
+    launcher.wait()
+    got: dict[int, str] = {}
+    buf = b""
+    deadline = time.monotonic() + timeout
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        while len(got) < len(jobs):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                raise BenchError(f"only {len(got)} of {len(jobs)} holders became ready")
+            chunk = pipe.read(4096)
+            if not chunk:
+                raise BenchError(f"holders exited early: {len(got)} of {len(jobs)} ready")
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                number, result = line.decode().split()
+                got[int(number)] = result
+    out: dict[int, Held] = {}
+    for pid, result in got.items():
+        proc = psutil.Process(pid)
+        index = next(i for i, (argv, _e) in enumerate(jobs) if argv == proc.cmdline())
+        ident = identity_of(pid)
+        if ident is None:
+            raise BenchError(f"holder {pid} is gone")
+        out[index] = Held(ident, result, proc.ppid())
+    return [out[i] for i in range(len(jobs))]
+
+
+def kill_held(held: Iterable[Held]) -> None:
+    from supervisor.process.identity import signal_identity
+
+    for h in held:
+        signal_identity(h.ident, signal.SIGKILL)
+
+
+class Sampler(threading.Thread):
+    """`read()` every `interval` seconds on its own thread: (monotonic time, value) pairs."""
+
+    def __init__(self, read: Callable[[], Any], interval: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.read = read
+        self.interval = interval
+        self.samples: list[tuple[float, Any]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            with contextlib.suppress(Exception):
+                self.samples.append((time.monotonic(), self.read()))
+            self.done.wait(self.interval)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+    def first(self, after: float, cond: Callable[[Any], bool]) -> float | None:
+        """Seconds from `after` to the first sample from then on that satisfies `cond`."""
+        return next((round(t - after, 3) for t, v in self.samples if t >= after and cond(v)), None)
+
+
+def write_json(out: str | Path, name: str, doc: Any) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(json.dumps(doc, indent=1, default=str))
+
+
+def verdict(checks: Mapping[str, bool]) -> int:
+    """Print a line per check; 0 when every check held."""
+    for name, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    return 0 if all(checks.values()) else 1
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of `python -m bench NAME`, its module docstring as its help."""
+    return argparse.ArgumentParser(
+        prog=f"python -m bench {name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def gpu_args(name: str, doc: str, gib_help: str, *, index: bool = True) -> argparse.ArgumentParser:
+    """The GPU benches' shared options."""
+    ap = parser(name, doc)
+    if index:
+        ap.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to use")
+    ap.add_argument("--gib", type=float, default=4.0, help=gib_help)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
+    ap.add_argument("--simulated", action="store_true", help="no GPU: the simulated NVML")
+    return ap
+
+
+def run_gpu_bench(main_async: Callable[[argparse.Namespace], Any], args: Any) -> int:
+    """The bench's loop; NVML missing is one line and exit 1, never a traceback."""
+    import asyncio
+
+    from supervisor.gpu.nvml import NvmlUnavailable
+
+    try:
+        return int(asyncio.run(main_async(args)))
+    except (NvmlUnavailable, BenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+class Gpu:
+    """NVML's view of one GPU, read directly (cheap enough to sample every 10 ms): the real
+    one, or the simulation (--simulated)."""
+
+    def __init__(self, index: int, simulated: bool) -> None:
+        self.simulated = simulated
+        self.index = index
+        if simulated:
+            from supervisor.gpu.sim import SimulatedNvml
+
+            self.sim = SimulatedNvml.from_env(os.environ)
+            self.uuid = self.sim.snapshot()[index].uuid
+            self.name, self.driver = "simulated", "-"
+        else:
+            import pynvml
+
+            self.nv = pynvml
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.uuid = str(pynvml.nvmlDeviceGetUUID(self.handle))
+            self.name = str(pynvml.nvmlDeviceGetName(self.handle))
+            self.driver = str(pynvml.nvmlSystemGetDriverVersion())
+
+    def read(self) -> tuple[int, dict[int, int | None]]:
+        """(memory used, {pid: bytes or None}) as NVML lists them now."""
+        if self.simulated:
+            snap = self.sim.snapshot()[self.index]
+            return snap.memory_used_bytes, {p.pid: p.used_bytes for p in snap.processes}
+        nv = self.nv
+        used = int(nv.nvmlDeviceGetMemoryInfo(self.handle, version=nv.nvmlMemory_v2).used)
+        procs = nv.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        return used, {int(p.pid): p.usedGpuMemory for p in procs}
+
+    def machine(self) -> dict[str, Any]:
+        return {
+            "gpu": self.name,
+            "uuid": self.uuid,
+            "driver": self.driver,
+            "host_cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "simulated": self.simulated,
+        }
+
+    def pin(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with CUDA pinned to this GPU whatever CUDA's own device order is."""
+        return {**env, "CUDA_VISIBLE_DEVICES": self.uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

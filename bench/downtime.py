@@ -1,6 +1,7 @@
-"""`python -m bench.downtime`: what a restart costs on real SGLang 0.5.23 (CPU), cold and warm.
+"""`python -m bench downtime`: what a restart costs on real SGLang 0.5.23 (CPU), cold and warm.
 
-    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench.downtime [--rounds 2] [--json F]
+    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench downtime [--rounds 2] [--json F]
+    .venv/bin/python -m bench downtime --standin --rounds 1 --only warm-off   # the suite's form
 
 Root only (it drops the page cache: `sync; echo 3 > /proc/sys/vm/drop_caches`). Needs the
 environment of `tools/sglang-env` and a larger model made by `tools/make-large-model` (built on
@@ -17,7 +18,6 @@ cleaning (-> `launching`), the readiness probe (the load's `probe` phase); and t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -26,16 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
-import yaml
-
-from bench.real_sglang import config as base_config
-from bench.real_sglang import sglang_env
-from testkit import DaemonProcess
+from bench.common import at, parser, state_is
+from bench.real_sglang import config, scheduler_pid, sglang_env, start
 
 REPO = Path(__file__).resolve().parents[1]
 BACKOFF_S = 5.0  # restart.backoff_initial's default
@@ -58,14 +53,6 @@ def large_model(python: str, tiny: str, where: Path) -> Path:
     return model
 
 
-def _at(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
-def _state(to: str) -> Any:
-    return lambda e: e.get("event") == "state" and e.get("new") == to
-
-
 def _load_row(doc: dict[str, Any]) -> dict[str, float]:
     load = doc["last_load"]
     row = {
@@ -83,40 +70,37 @@ def _load_row(doc: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in row.items() if v is not None}
 
 
-def one_round(python: str, model: Path, prewarm: str, cold: bool) -> dict[str, Any]:
+def one_round(
+    python: str, model: Path | None, prewarm: str, cold: bool, backoff: float = BACKOFF_S
+) -> dict[str, Any]:
+    """One daemon, its start and one crash-restart. `model` None: the SGLang stand-in."""
     with tempfile.TemporaryDirectory(prefix="bench-downtime-") as tmp:
         work = Path(tmp)
-        cfg = base_config(work, python, str(model))
-        cfg["restart"]["backoff_initial"] = f"{BACKOFF_S}s"
-        cfg["restart"]["backoff_max"] = f"{BACKOFF_S * 4}s"
+        cfg = config(work, python, str(model), standin=model is None)
+        model = Path(cfg["sglang"]["model_path"])
+        cfg["restart"]["backoff_initial"] = f"{backoff}s"
+        cfg["restart"]["backoff_max"] = f"{backoff * 4}s"
         cfg["readiness"]["load_timeout"] = "10m"
         cfg["liveness"] = {"interval": "5s", "timeout": "30s", "failure_threshold": 3}
         cfg["warm"] = {"prewarm": prewarm, "cache_dir": str(work / "cache")}
-        path = work / "kimi-serve.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         if cold:
             drop_page_cache()
         else:
             for f in model.iterdir():
                 f.read_bytes()
-        d = DaemonProcess.start(path, cfg, env)
+        d = start(work, cfg)
         try:
-            d.wait_for(_state("ready"), 600, "ready")
+            d.wait_for(state_is("ready"), 600, "ready")
             first = _load_row(d.status())
-            sched = next(
-                p
-                for p in d.status()["child"]["processes"]
-                if " ".join(psutil.Process(p).cmdline()).startswith("sglang::scheduler")
-            )
+            sched = scheduler_pid(d)
             if cold:
                 drop_page_cache()
             killed_at = time.time()
             os.kill(sched, signal.SIGKILL)
-            restarting = d.wait_for(_state("restarting"), 120, "restarting")
-            cleaning = d.wait_for(_state("cleaning"), 120, "cleaning")
-            launching = d.wait_for(_state("launching"), 120, "launching")
-            d.wait_for(_state("ready"), 600, "ready again")
+            restarting = d.wait_for(state_is("restarting"), 120, "restarting")
+            cleaning = d.wait_for(state_is("cleaning"), 120, "cleaning")
+            launching = d.wait_for(state_is("launching"), 120, "launching")
+            d.wait_for(state_is("ready"), 600, "ready again")
             doc = d.status()
             again = _load_row(doc)
             # The probe's own span is SGLang decoding its tokens (seconds for this model on a
@@ -124,13 +108,13 @@ def one_round(python: str, model: Path, prewarm: str, cold: bool) -> dict[str, A
             # the port opening to the probe's start, the `warmup` phase when the probe passes
             # before SGLang's own ready line (0.5.23 on a CPU, loadphases.py).
             share = {
-                "death_noticed_s": _at(restarting) - killed_at,
-                "stop_and_backoff_s": _at(cleaning) - _at(restarting),
-                "cleaning_s": _at(launching) - _at(cleaning),
+                "death_noticed_s": at(restarting) - killed_at,
+                "stop_and_backoff_s": at(cleaning) - at(restarting),
+                "cleaning_s": at(launching) - at(cleaning),
                 "port_to_probe_s": again.get("warmup_s", 0.0),
             }
             share["kimi_serve_share_s"] = sum(share.values())
-            share["beyond_backoff_s"] = share["kimi_serve_share_s"] - BACKOFF_S
+            share["beyond_backoff_s"] = share["kimi_serve_share_s"] - backoff
             share["probe_decode_s"] = again.get("probe_s", 0.0)
             return {
                 "prewarm": prewarm,
@@ -185,30 +169,41 @@ def table(rounds: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.downtime")
+    ap = parser("downtime", __doc__)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model-dir", type=Path, default=Path("/var/tmp/kimi-serve-bench"))
     ap.add_argument(
         "--only", default="", help="comma-separated: cold-off,cold-auto,warm-off,warm-auto"
     )
+    ap.add_argument(
+        "--standin",
+        action="store_true",
+        help="the SGLang stand-in, backoff 0.5 s (the suite's form: --only warm-off needs no root)",
+    )
     args = ap.parse_args(argv)
-    if os.geteuid() != 0:
-        print("python -m bench.downtime: root is needed to drop the page cache", file=sys.stderr)
-        return 2
-    python, tiny = sglang_env()
-    model = large_model(python, tiny, args.model_dir)
     wanted = set(filter(None, args.only.split(",")))
+    if os.geteuid() != 0 and not (wanted and all(w.startswith("warm") for w in wanted)):
+        print("python -m bench downtime: root is needed to drop the page cache", file=sys.stderr)
+        return 2
+    model: Path | None = None
+    backoff = BACKOFF_S
+    if args.standin:
+        python, backoff = sys.executable, 0.5
+    else:
+        python, tiny = sglang_env()
+        model = large_model(python, tiny, args.model_dir)
     rounds: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for prewarm, cold in CONFIGS:
             if wanted and f"{'cold' if cold else 'warm'}-{prewarm}" not in wanted:
                 continue
-            rounds.append(one_round(python, model, prewarm, cold))
+            rounds.append(one_round(python, model, prewarm, cold, backoff))
             print(json.dumps(rounds[-1]), flush=True)
-    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    print(f"model: {model} ({size / 2**30:.2f} GiB of safetensors), backoff {BACKOFF_S} s")
+    if model is not None:
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        print(f"model: {model} ({size / 2**30:.2f} GiB of safetensors), backoff {backoff} s")
     print(f"load average before {load_before}, after {os.getloadavg()}")
     print(table(rounds))
     if args.json:

@@ -1,7 +1,8 @@
 """Fleet benchmark: two replicas behind the real sglang-router, load through the router.
 
-    .venv/bin/python -m bench.fleet --quick            # about a minute
-    .venv/bin/python -m bench.fleet --json out.json
+    .venv/bin/python -m bench fleet --quick            # about a minute
+    .venv/bin/python -m bench fleet --json out.json
+    .venv/bin/python -m bench fleet --smoke --only router-2s   # the suite's form (tests/bench)
 
 Approaches, side by side in one run:
 - `router-default`: the router's own health checking alone, at its defaults (every 60 s,
@@ -43,7 +44,9 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.common import daemon_env, parser
 from bench.loadgen import LoadGenerator
+from testkit import DaemonProcess
 from testkit.fleet import ListWatch, replica_config, user_arrivals
 from testkit.router import RouterProcess, free_port
 from testkit.standin import Standin
@@ -69,10 +72,13 @@ class Settings:
     watch_s: float  # how long a broken/hung replica is watched
     concurrency: int
     stream_every: int
+    client_timeout: float = 30.0  # a request to a hung replica fails after this
 
     @classmethod
-    def make(cls, quick: bool, streams: bool) -> Settings:
+    def make(cls, quick: bool, streams: bool, smoke: bool = False) -> Settings:
         every = 2 if streams else 0
+        if smoke:  # the suite's form: every step runs, too short for figures
+            return cls(True, 0.3, 0.5, 2.0, 2, every, client_timeout=3.0)
         if quick:
             return cls(True, 1.0, 2.0, 8.0, 3, every)
         return cls(False, 3.0, 5.0, 70.0, 4, every)
@@ -156,6 +162,13 @@ async def _listed_until(router: RouterProcess, url: str, limit: float) -> float 
     return None
 
 
+async def _load(router: RouterProcess, s: Settings) -> LoadGenerator:
+    """The load generator, started, for the whole scenario."""
+    return await LoadGenerator(
+        router.url, concurrency=s.concurrency, stream_every=s.stream_every, timeout=s.client_timeout
+    ).start()
+
+
 @contextlib.contextmanager
 def _fleet(
     approach: str, envs: tuple[Mapping[str, str], Mapping[str, str]]
@@ -178,9 +191,7 @@ async def planned_restart_uncoupled(approach: str, s: Settings) -> dict[str, Any
         for r in (a, b):
             r.start()
             await _register(router, r.url)
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
@@ -196,9 +207,7 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
     with _fleet(approach, ({}, fault)) as (router, (a, b)):
         a.start()
         await _register(router, a.url)
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             b.start()
@@ -221,55 +230,40 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
         }
 
 
-class _Daemon:
+def _daemon(tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> DaemonProcess:
     """`kimi-serve run` for one replica, with router.url set."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = replica_config(tmp, router.url, env)
+    path = tmp / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return DaemonProcess.start(path, cfg, daemon_env())
 
-    def __init__(self, tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.cfg = replica_config(tmp, router.url, env)
-        self.path = tmp / "kimi-serve.yaml"
-        self.path.write_text(yaml.safe_dump(self.cfg))
-        exe = Path(sys.executable).with_name("kimi-serve")
-        self.proc = subprocess.Popen(
-            [str(exe), "run", "--config", str(self.path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.admin = f"http://{self.cfg['admin']['listen']}"
-        self.url = f"http://127.0.0.1:{self.cfg['sglang']['port']}"
 
-    def status(self) -> dict[str, Any]:
-        token = Path(self.cfg["state_dir"]) / "admin.token"
-        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
-        doc: dict[str, Any] = httpx.get(
-            self.admin + "/status", timeout=5, headers=headers, trust_env=False
-        ).json()
-        return doc
+def _url(d: DaemonProcess) -> str:
+    return f"http://127.0.0.1:{d.cfg['sglang']['port']}"
 
-    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            # OSError: the admin token is written once the daemon has started.
-            with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
-                if pred(self.status()):
-                    return
-            time.sleep(0.1)
-        raise TimeoutError("the daemon did not get there")
 
-    def restart(self) -> None:
-        token = Path(self.cfg["state_dir"]) / "admin.token"
-        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
-        r = httpx.post(self.admin + "/restart", headers=headers, timeout=5, trust_env=False)
-        r.raise_for_status()
-        # Out of ready first, so the wait for ready below is for the new launch.
-        self.wait(lambda doc: doc.get("state") != "ready", 10)
+def _until(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
+    """Until `pred` holds for the daemon's /status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # OSError: the admin token is written once the daemon has started.
+        with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
+            if pred(d.status()):
+                return
+        time.sleep(0.1)
+    raise TimeoutError("the daemon did not get there")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+
+def _restart(d: DaemonProcess) -> None:
+    d.post("/restart").raise_for_status()
+    # Out of ready first, so the wait for ready below is for the new launch.
+    _until(d, lambda doc: doc.get("state") != "ready", 10)
+
+
+def _stop(d: DaemonProcess) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        d.stop(30)
 
 
 class NotIntegrated(RuntimeError):
@@ -278,24 +272,23 @@ class NotIntegrated(RuntimeError):
 
 async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
     router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
-    daemons = [_Daemon(tmp / "a", router, {}), _Daemon(tmp / "b", router, {})]
+    daemons = [_daemon(tmp / "a", router, {}), _daemon(tmp / "b", router, {})]
     try:
         for d in daemons:
-            await asyncio.to_thread(d.wait, lambda doc: doc.get("state") == "ready")
+            await asyncio.to_thread(_until, d, lambda doc: doc.get("state") == "ready")
             if "router" not in daemons[0].status():
                 raise NotIntegrated("the daemon's /status has no router section yet")
             await asyncio.to_thread(
-                d.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+                _until, d, lambda doc: bool((doc.get("router") or {}).get("registered"))
             )
-        load = await LoadGenerator(
-            router.url, concurrency=s.concurrency, stream_every=s.stream_every
-        ).start()
+        load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
-            await asyncio.to_thread(daemons[1].restart)
+            await asyncio.to_thread(_restart, daemons[1])
             await asyncio.to_thread(
-                daemons[1].wait,
+                _until,
+                daemons[1],
                 lambda doc: (
                     doc.get("state") == "ready"
                     and bool((doc.get("router") or {}).get("registered"))
@@ -307,7 +300,7 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
         return stats.to_dict()
     finally:
         for d in daemons:
-            d.stop()
+            _stop(d)
         router.cleanup()
 
 
@@ -331,23 +324,22 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
     seconds it stayed listed once broken."""
     router = RouterProcess(ROUTER_FLAGS[KIMI]).start()
     hang = fault is HANG
-    a = _Daemon(tmp / "a", router, {})
-    b: _Daemon | None = None
+    a = _daemon(tmp / "a", router, {})
+    b: DaemonProcess | None = None
     try:
         await asyncio.to_thread(
-            a.wait, lambda doc: bool((doc.get("router") or {}).get("registered"))
+            _until, a, lambda doc: bool((doc.get("router") or {}).get("registered"))
         )
         with ListWatch(router.url) as watch:
-            load = await LoadGenerator(
-                router.url, concurrency=s.concurrency, stream_every=s.stream_every
-            ).start()
+            load = await _load(router, s)
             try:
                 await asyncio.sleep(s.warm_s)
                 began = load.mark("broken replica started")
-                b = _Daemon(tmp / "b", router, {**fault, **FIRST})
+                b = _daemon(tmp / "b", router, {**fault, **FIRST})
                 # Sound again: the second launch is decode-verified and registered.
                 await asyncio.to_thread(
-                    b.wait,
+                    _until,
+                    b,
                     lambda doc: (
                         doc.get("state") == "ready"
                         and (doc.get("restarts") or {}) != {}
@@ -359,7 +351,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                 await asyncio.sleep(s.after_s)
             finally:
                 stats = await load.stop()
-        url = b.url
+        url = _url(b)
         if hang:
             # The hang begins with the decode after HANG_AFTER (probes count); it ends when
             # the router stops listing the replica.
@@ -384,7 +376,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
     finally:
         for d in (a, b):
             if d is not None:
-                d.stop()
+                _stop(d)
         router.cleanup()
 
 
@@ -410,8 +402,9 @@ async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
+    p = parser("fleet", __doc__)
+    p.add_argument("--quick", action="store_true", help="short scenarios (about a minute)")
+    p.add_argument("--smoke", action="store_true", help="shorter still: the suite's form")
     p.add_argument(
         "--streams",
         action=argparse.BooleanOptionalAction,
@@ -422,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     only = tuple(a for a in args.only.split(",") if a)
-    results = asyncio.run(run(Settings.make(args.quick, args.streams), only))
+    results = asyncio.run(run(Settings.make(args.quick, args.streams, args.smoke), only))
     text = json.dumps(results, indent=2, default=str)
     if args.json:
         args.json.write_text(text + "\n")

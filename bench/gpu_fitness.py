@@ -18,46 +18,32 @@
    `kimi_serve_gpu_leftover_processes_killed_total` on a fresh registry. The foreign process
    must survive.
 
-    python3 bench/gpu_fitness.py --out $OUT        # on a machine with an NVIDIA GPU and torch
-    python3 bench/gpu_fitness.py --simulated       # anywhere: the simulated NVML, no torch
+    python -m bench gpu-fitness --out $OUT        # on a machine with an NVIDIA GPU and torch
+    python -m bench gpu-fitness --simulated       # anywhere: the simulated NVML, no torch
+    python -m bench gpu-fitness --simulated --quick   # the suite's form (tests/bench)
 
 Writes gpu_fitness.json to --out and prints a summary; exit 0 when every check held.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
-import signal
-import sys
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_leftovers import HOLDER, Gpu, Spec, launch  # noqa: E402
-from bench.gpu_run import run, scene, verdict  # noqa: E402
-from supervisor import gpu  # noqa: E402
-from supervisor.config import GpusConfig  # noqa: E402
-from supervisor.gpu import fitness, fitness_watch  # noqa: E402
-from supervisor.gpu.nvml import MiB, gpu_status  # noqa: E402
-from supervisor.gpu.sim import open_nvml  # noqa: E402
-from supervisor.metrics import Metrics  # noqa: E402
-from supervisor.process import ProcessOwner  # noqa: E402
-from supervisor.process.identity import (  # noqa: E402
-    OWNER_ENV,
-    LaunchRecord,
-    RecordStore,
-    live_process,
-    signal_identity,
-)
-from supervisor.threads import in_thread  # noqa: E402
+from bench import common
+from supervisor import gpu
+from supervisor.config import GpusConfig
+from supervisor.gpu import fitness, fitness_watch
+from supervisor.gpu.nvml import gpu_status
+from supervisor.gpu.sim import open_nvml
+from supervisor.metrics import Metrics
+from supervisor.process import ProcessOwner
+from supervisor.process.identity import OWNER_ENV, LaunchRecord, RecordStore, live_process
+from supervisor.threads import in_thread
 
 NVLINK_CRC_FIELD = 100  # NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: not supported on a lone GPU
 
@@ -125,14 +111,14 @@ def not_supported_path(index: int) -> dict[str, Any]:
     }
 
 
-async def events_phase(source: Any) -> dict[str, Any]:
+async def events_phase(source: Any, quick: bool) -> dict[str, Any]:
     events = await in_thread(source.open_events, 10.0)
     out: dict[str, Any] = {
         "registered": {str(k): v for k, v in getattr(events, "registered", {}).items()},
         "unsupported": {str(k): v for k, v in getattr(events, "unsupported", {}).items()},
         "waits": [],
     }
-    for ms in (500, 1000, 2000):
+    for ms in (200,) if quick else (500, 1000, 2000):
         t = time.monotonic()
         got = await in_thread(lambda ms=ms: events.wait(ms), ms / 1000 + 10)
         out["waits"].append(
@@ -149,7 +135,8 @@ async def events_phase(source: Any) -> dict[str, Any]:
     events2 = await in_thread(source.open_events, 10.0)
     task = asyncio.get_running_loop().create_task(mon.watch(events2, slice_s=1.0))
     lags = []
-    t_end = time.monotonic() + 3.0
+    ran = 1.2 if quick else 3.0  # more than one slice of the watcher
+    t_end = time.monotonic() + ran
     while time.monotonic() < t_end:
         t = time.monotonic()
         await asyncio.sleep(0.05)
@@ -159,7 +146,7 @@ async def events_phase(source: Any) -> dict[str, Any]:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     out["watch"] = {
-        "ran_s": 3.0,
+        "ran_s": ran,
         "loop_max_lag_ms": round(max(lags) * 1000, 2),
         "cancel_to_closed_s": round(time.monotonic() - t, 4),
         "faults_posted": [repr(p) for p in posted],
@@ -167,39 +154,35 @@ async def events_phase(source: Any) -> dict[str, Any]:
     return out
 
 
-async def crash_phase(
-    gpu_: Gpu, env: dict[str, str], gib: float, simulated: bool
-) -> dict[str, Any]:
-    holder, state, marker = scene("kimi-fitness-bench-", HOLDER)
-    ours_env = {**env, OWNER_ENV: marker}
-    recorded = Spec(
-        "scheduler (recorded)", gib, ["sglang::scheduler_TP0"], "leftover", True, record=True
-    )
-    marked = Spec("detokenizer (owner marker)", 0, ["sglang::detokenizer"], "leftover", True)
-    matched = Spec(
+async def crash_phase(gpu_: common.Gpu, env: dict[str, str], gib: float) -> dict[str, Any]:
+    holder, state, marker, _work = common.scene("kimi-fitness-bench-")
+    ours = {OWNER_ENV: marker}
+    names = [
+        "scheduler (recorded)",
+        "detokenizer (owner marker)",
         "launch_server (NVML + match)",
-        gib / 2,
-        ["launch_server", "--tp-size", "1"],
-        "leftover",
-        True,
-    )
-    foreign = Spec("trainer (foreign)", 0.25, ["trainer", "--epochs", "1"], "foreign", False)
-    specs = [recorded, marked, matched, foreign]
+        "trainer (foreign)",
+    ]
+    jobs = [
+        (common.holder_argv(holder, gib, ["sglang::scheduler_TP0"], sim_gpu=0), ours),
+        (common.holder_argv(holder, 0, ["sglang::detokenizer"]), ours),
+        (common.holder_argv(holder, gib / 2, ["launch_server", "--tp-size", "1"], sim_gpu=0), {}),
+        (common.holder_argv(holder, 0.25, ["trainer", "--epochs", "1"], sim_gpu=0), {}),
+    ]
     result: dict[str, Any] = {}
+    held: list[common.Held] = []
     try:
-        launch([recorded, marked], holder, ours_env, timeout=180)
-        launch([matched, foreign], holder, env, timeout=180)
-        for s in specs:
-            assert s.ident is not None
+        held = common.launch_orphans(jobs, env, timeout=180)
         # What a SIGKILLed daemon leaves: its record naming the scheduler, and processes with
         # its marker. The daemon pid is dead.
-        assert recorded.ident is not None
-        RecordStore(str(state)).save(LaunchRecord(2**22 + 1, "primary", (recorded.ident,)))
+        RecordStore(str(state)).save(LaunchRecord(2**22 + 1, "primary", (held[0].ident,)))
         used, procs = gpu_.read()
         result["gpu_with_orphans"] = {
-            "used_mib": round(used / MiB),
-            "processes": {str(p): None if b is None else round(b / MiB) for p, b in procs.items()},
-            "parents": {s.name: s.ppid_after_launch for s in specs},
+            "used_mib": round(used / common.MiB),
+            "processes": {
+                str(p): None if b is None else round(b / common.MiB) for p, b in procs.items()
+            },
+            "parents": {n: h.ppid for n, h in zip(names, held, strict=True)},
         }
         nvml = open_nvml()
         metrics = Metrics()
@@ -243,37 +226,24 @@ async def crash_phase(
             status_leftovers=gpu.leftover_status(sweep, report),
             metric_series=series,
             fit_after=health is None,
-            alive_after={s.name: live_process(s.ident) is not None for s in specs if s.ident},
+            alive_after={
+                n: live_process(h.ident) is not None for n, h in zip(names, held, strict=True)
+            },
         )
         used2, procs2 = gpu_.read()
-        result["gpu_after"] = {"used_mib": round(used2 / MiB), "processes": sorted(procs2)}
+        result["gpu_after"] = {"used_mib": round(used2 / common.MiB), "processes": sorted(procs2)}
     finally:
-        for s in specs:
-            if s.ident is not None:
-                signal_identity(s.ident, signal.SIGKILL)
+        common.kill_held(held)
     return result
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    env = dict(os.environ)
-    if args.simulated:
-        env.update(
-            KIMI_SERVE_SIMULATED_GPUS="1",
-            KIMI_SERVE_SIM_TAG=f"bench-{uuid.uuid4().hex[:8]}",
-            KIMI_SERVE_SIMULATED_GPU_MIB="1024",
-        )
-        os.environ.update(env)
-    g = Gpu(args.gpu, args.simulated)
-    env.update(CUDA_VISIBLE_DEVICES=g.uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+async def main_async(args: Any) -> int:
+    env = common.simulate_gpus(1) if args.simulated else dict(os.environ)
+    g = common.Gpu(args.gpu, args.simulated)
+    env = g.pin(env)
     out: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "machine": {
-            "gpu": g.name,
-            "uuid": g.uuid,
-            "driver": g.driver,
-            "python": sys.version.split()[0],
-            "simulated": args.simulated,
-        },
+        "machine": g.machine(),
     }
     source = open_nvml()
     t = time.perf_counter()
@@ -287,9 +257,9 @@ async def main_async(args: argparse.Namespace) -> int:
     if not args.simulated:
         out["raw_calls"] = raw_calls(args.gpu)
         out["not_supported_path"] = not_supported_path(args.gpu)
-    out["events"] = await events_phase(source)
+    out["events"] = await events_phase(source, args.quick)
     source.close()
-    out["crash"] = await crash_phase(g, env, args.gib, args.simulated)
+    out["crash"] = await crash_phase(g, env, args.gib)
 
     c = out["crash"]
     waits_ok = all(
@@ -317,51 +287,25 @@ async def main_async(args: argparse.Namespace) -> int:
         "clean ok": c["clean"]["ok"],
     }
     out["checks"] = checks
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "gpu_fitness.json").write_text(json.dumps(out, indent=1, default=str))
-    print(
-        json.dumps(
-            {k: out[k] for k in ("machine", "health_read_ms", "health", "verdict_line")},
-            indent=1,
-            default=str,
-        )
-    )
-    print(json.dumps(out.get("raw_calls"), indent=1, default=str))
-    print(json.dumps(out.get("not_supported_path"), indent=1, default=str))
-    print(json.dumps(out["events"], indent=1, default=str))
-    print(
-        json.dumps(
-            {
-                k: c[k]
-                for k in (
-                    "gpu_with_orphans",
-                    "sweep",
-                    "sweep_s",
-                    "clean_s",
-                    "clean_message",
-                    "metric_series",
-                    "alive_after",
-                    "gpu_after",
-                    "fit_after",
-                )
-            },
-            indent=1,
-            default=str,
-        )
-    )
-    return verdict(checks)
+    common.write_json(args.out, "gpu_fitness.json", out)
+    shown = ("gpu_with_orphans", "sweep", "sweep_s", "clean_s", "clean_message")
+    shown += ("metric_series", "alive_after", "gpu_after", "fit_after")
+    for part in (
+        {k: out[k] for k in ("machine", "health_read_ms", "health", "verdict_line")},
+        out.get("raw_calls"),
+        out.get("not_supported_path"),
+        out["events"],
+        {k: c[k] for k in shown},
+    ):
+        print(json.dumps(part, indent=1, default=str))
+    return common.verdict(checks)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to use")
-    ap.add_argument("--gib", type=float, default=4.0, help="GiB the recorded orphan allocates")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--simulated", action="store_true", help="no GPU: the simulated NVML")
-    return run(main_async, ap.parse_args())
+def main(argv: list[str] | None = None) -> int:
+    ap = common.gpu_args("gpu-fitness", __doc__ or "", "GiB the recorded orphan allocates")
+    ap.add_argument("--quick", action="store_true", help="one short event wait (the suite's form)")
+    return common.run_gpu_bench(main_async, ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """What the stack dump before the kill adds to time-to-restart, through the real daemon
 (docs/benchmarks.md, "Stack dumps in the restart"):
 
-    .venv/bin/python -m bench.incident_restart [--rounds 3]     # about 60 s
+    .venv/bin/python -m bench incident-restart [--rounds 3]     # about 60 s
+    .venv/bin/python -m bench incident-restart --quick          # 1 round, real py-spy only
 
 `kimi-serve run` supervises the stand-in (`--tp-size 2`) with its decode-hang fault on every
 launch, so each launch is restarted for `liveness_failed`. Per restart it takes the time from the
@@ -12,14 +13,12 @@ py-spy that hangs (the whole `incidents.dump_timeout`, 2 s here).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common import parser
 from testkit.incidents import hang_config, restart_seconds
 from testkit.shadow import shadow_python, start_with
 
@@ -41,15 +40,20 @@ def measure(py_spy: str | None, rounds: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.incident_restart", description=__doc__)
+    p = parser("incident-restart", __doc__)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one round with the real py-spy only")
     a = p.parse_args(argv)
+    if a.quick:
+        a.rounds = 1
     real = Path(sys.executable).parent / "py-spy"
     cases = {
         "real py-spy (stacks taken)": f'exec {real} "$@"\n',
         "no py-spy (no dump, the kill alone)": None,
         f"py-spy that hangs (budget {BUDGET})": "exec sleep 600\n",
     }
+    if a.quick:
+        cases = dict(list(cases.items())[:1])
     print(f"restarting -> cleaning, seconds, {a.rounds} liveness restarts each:")
     for name, body in cases.items():
         times = measure(body, a.rounds)

@@ -56,28 +56,16 @@ class Stats:
     def add(self, o: Outcome) -> None:
         self.sent += 1
         self.streams += o.stream
-        if o.result == PLAIN_OK:
-            self.ok += 1
-        elif o.result == STREAM_OK:
-            self.ok += 1
-            self.streams_ok += 1
-        elif o.result == CUT:
-            self.streams_cut += 1
-        else:
-            self.failed += 1
+        self.ok += o.result in (PLAIN_OK, STREAM_OK)
+        self.streams_ok += o.result == STREAM_OK
+        self.streams_cut += o.result == CUT
+        self.failed += o.result not in (PLAIN_OK, STREAM_OK, CUT)
         if o.error:
             self.errors[o.error[:120]] += 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "sent": self.sent,
-            "ok": self.ok,
-            "failed": self.failed,
-            "streams": self.streams,
-            "streams_ok": self.streams_ok,
-            "streams_cut": self.streams_cut,
-            "errors": dict(self.errors.most_common(5)),
-        }
+        counts = ("sent", "ok", "failed", "streams", "streams_ok", "streams_cut")
+        return {k: getattr(self, k) for k in counts} | {"errors": dict(self.errors.most_common(5))}
 
 
 def stream_complete(events: list[bytes]) -> bool:

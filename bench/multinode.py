@@ -1,7 +1,8 @@
-"""`python -m bench.multinode`: a two-node replica's relaunch, simulated on one machine.
+"""`python -m bench multinode`: a two-node replica's relaunch, simulated on one machine.
 
-    .venv/bin/python -m bench.multinode [--rounds 5]
-    .venv/bin/python -m bench.multinode --failed-follower [--rounds 5]
+    .venv/bin/python -m bench multinode [--rounds 5]
+    .venv/bin/python -m bench multinode --failed-follower [--rounds 5]
+    .venv/bin/python -m bench multinode --quick --rounds 1    # the suite's form (tests/bench)
 
 Two real daemons (`kimi-serve run`), two stand-ins in multi-node mode (rank 0 and rank 1 meet
 at --dist-init-addr), loopback admin endpoints, one shared token, `group.poll_interval` 0.2 s.
@@ -18,25 +19,19 @@ the figures.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import statistics
 import tempfile
 import uuid
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
+from bench.common import at, parser
 from supervisor.gpu.sim import ENV_GPUS, ENV_HEALTH, ENV_TAG
 from testkit import running
 from testkit.pair import node_configs, ready, until_all
 
 LOAD_S = 0.3 + 0.1  # base_config: STANDIN_LOAD_SECONDS + STANDIN_WARMUP_SECONDS
-
-
-def at(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def failed_follower(rounds: int) -> None:
@@ -65,15 +60,16 @@ def failed_follower(rounds: int) -> None:
     print(f"median {statistics.median(ends):.2f}, max {max(ends):.2f}, {rounds} epochs")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("multinode", __doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--failed-follower", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="the follower's SGLang killed only")
+    args = ap.parse_args(argv)
     rounds = args.rounds
     if args.failed_follower:
         failed_follower(rounds)
-        return
+        return 0
     out: dict[str, tuple[list[float], list[float]]] = {"follower": ([], []), "leader": ([], [])}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -84,7 +80,7 @@ def main() -> None:
         ):
             a, b = leader.admin, follower.admin
             until_all(lambda: ready(a) and ready(b), 30, "both ready")
-            for i in range(2 * rounds):
+            for i in range(0, 2 * rounds, 2 if args.quick else 1):
                 who, victim = ("follower", follower) if i % 2 == 0 else ("leader", leader)
                 os.kill(victim.sglang_pid(), signal.SIGKILL)
                 down = until_all(lambda: not ready(a) and not ready(b), 10, "both 503")
@@ -92,14 +88,15 @@ def main() -> None:
                 out[who][0].append(down)
                 out[who][1].append(down + up - LOAD_S)
     print(f"{'SIGKILL of':<22}{'-> every /readyz 503 (s)':>28}{'-> group ready (s)':>22}")
-    for who, (downs, ups) in out.items():
+    for who, (downs, ups) in [(k, v) for k, v in out.items() if v[0]]:
         print(
             f"{who + ' SGLang':<22}"
             f"{statistics.median(downs):>14.2f} (max {max(downs):.2f})"
             f"{statistics.median(ups):>12.2f} (max {max(ups):.2f})"
         )
     print(f"{rounds} rounds each; stand-in load and warm-up ({LOAD_S:.1f} s) excluded")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Where the log pump's time goes, per line: `python -m bench.profile_pump [--lines N]`.
+"""Where the log pump's time goes, per line: `python -m bench profile-pump [--lines N]`.
 
 Feeds the scheduler's decode-batch lines (the log pump benchmark's lines) through the daemon's
 own code path — `_Pump._readable` reading a real pipe, then `LogPump.lines` (count, scan,
@@ -9,7 +9,6 @@ daemon's log goes to /dev/null.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import cProfile
 import io
@@ -22,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from bench.common import parser
 from bench.flood import LINE
 from supervisor import config as config_mod
 from supervisor import log
@@ -86,7 +86,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_pump", description=__doc__)
+    p = parser("profile-pump", __doc__)
     p.add_argument("--lines", type=int, default=200_000)
     a = p.parse_args(argv)
 

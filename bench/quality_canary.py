@@ -1,6 +1,6 @@
-"""`python -m bench.quality_canary`: the daemon's canary comparison against a bare real server.
+"""`python -m bench quality-canary`: the daemon's canary comparison against a bare real server.
 
-    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench.quality_canary [--n 35]
+    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench quality-canary [--n 35]
 
 One real SGLang 0.5.23 server (tests/realsglang/server.py) serving the canary model of
 tools/make-canary-model. The first canary answer (supervisor.daemon.quality_watch.ask) is the
@@ -18,7 +18,6 @@ Printed per condition: canaries, matches, token-for-token identical answers, the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import parser
 from supervisor import quality
 from supervisor.daemon.quality_watch import ask
 from tests.realsglang import server as real
@@ -87,15 +87,16 @@ async def _measure(url: str, n: int) -> None:
         print(f"lowest margin seen: {lowest:.2f} nats")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=35, help="canaries per condition")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("quality-canary", __doc__)
+    ap.add_argument("--n", type=int, default=35, help="canaries per condition")
+    args = ap.parse_args(argv)
     sgl = real.canary_env(real.build_env())
     with tempfile.TemporaryDirectory() as tmp, real.running(sgl, Path(tmp) / "server.log") as srv:
         print(f"server started in {srv.started_in:.0f} s")
         asyncio.run(_measure(srv.url, args.n))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
-"""`python -m bench.real_sglang`: kimi-serve's rows on the real SGLang 0.5.23 server (CPU).
+"""`python -m bench real-sglang`: kimi-serve's rows on the real SGLang 0.5.23 server (CPU).
 
-    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench.real_sglang [--rounds 3] [--json F]
+    SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench real-sglang [--rounds 3] [--json F]
+    .venv/bin/python -m bench real-sglang --standin --rounds 1    # the suite's form
 
 Needs the environment of `tools/sglang-env` (real SGLang, stock torch, the tiny model) and the
 name-only `sgl_kernel` of tools/sglang-env.d. Per round: one launch of the real daemon
@@ -13,7 +14,6 @@ the main bench. docs/benchmarks.md has the figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,9 @@ import httpx
 import psutil
 import yaml
 
+from bench.common import at, daemon_env, parser, state_is
 from supervisor.sglang.logscan import READY_LINE
-from testkit import DaemonProcess, free_port
+from testkit import DaemonProcess, base_config, free_port
 from testkit.sglang_cpu import CPU_ARGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,8 +52,10 @@ def sglang_env() -> tuple[str, str]:
     return out[0], out[1]
 
 
-def config(work: Path, python: str, model: str) -> dict[str, Any]:
-    return {
+def config(work: Path, python: str, model: str, standin: bool = False) -> dict[str, Any]:
+    """The daemon's config for the real server; with `standin`, for the SGLang stand-in (the
+    suite's form: the same steps in seconds)."""
+    cfg: dict[str, Any] = {
         "sglang": {
             "python": python,
             "module": "sglang.launch_server",
@@ -84,38 +86,39 @@ def config(work: Path, python: str, model: str) -> dict[str, Any]:
         # info: SGLang's lines come through, the "ready to roll" one with its time.
         "logging": {"format": "json", "level": "info"},
     }
+    if standin:
+        cfg["sglang"] = base_config(work)["sglang"]
+    return cfg
 
 
-def _at(event: dict[str, Any]) -> float:
-    """Unix time of one of the daemon's JSON log lines."""
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+def scheduler_pid(d: DaemonProcess) -> int:
+    """SGLang's (first) scheduler process of the daemon's current launch."""
+    return next(
+        p
+        for p in d.status()["child"]["processes"]
+        if " ".join(psutil.Process(p).cmdline()).startswith("sglang::scheduler")
+    )
 
 
-def _is_state(to: str) -> Any:
-    return lambda e: e.get("event") == "state" and e.get("new") == to
+def start(work: Path, cfg: dict[str, Any]) -> DaemonProcess:
+    path = work / "kimi-serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return DaemonProcess.start(path, cfg, daemon_env())
 
 
-def one_round(python: str, model: str) -> dict[str, float]:
+def one_round(python: str, model: str, standin: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
         work = Path(tmp)
-        cfg = config(work, python, model)
-        path = work / "kimi-serve.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-        d = DaemonProcess.start(path, cfg, env)
+        d = start(work, config(work, python, model, standin))
         try:
-            loading = d.wait_for(_is_state("loading"), 120, "loading")
-            warming = d.wait_for(_is_state("warming"), 300, "warming")
-            ready = d.wait_for(_is_state("ready"), 300, "ready")
+            loading = d.wait_for(state_is("loading"), 120, "loading")
+            warming = d.wait_for(state_is("warming"), 300, "warming")
+            ready = d.wait_for(state_is("ready"), 300, "ready")
             # Our probe usually passes before SGLang's warmup prints its line: wait for it.
             rolled = [e for e in d.seen if READY_LINE in str(e.get("event"))] or [
                 d.wait_for(lambda e: READY_LINE in str(e.get("event")), 120, "ready line")
             ]
-            sched = next(
-                p
-                for p in d.status()["child"]["processes"]
-                if " ".join(psutil.Process(p).cmdline()).startswith("sglang::scheduler")
-            )
+            sched = scheduler_pid(d)
             with httpx.Client(trust_env=False) as client:
                 t0 = time.monotonic()
                 killed_at = time.time()
@@ -123,23 +126,23 @@ def one_round(python: str, model: str) -> dict[str, float]:
                 while client.get(d.admin + "/readyz", timeout=5).status_code == 200:
                     pass
                 to_503 = time.monotonic() - t0
-            again = d.wait_for(_is_state("ready"), 300, "ready again")
+            again = d.wait_for(state_is("ready"), 300, "ready again")
             row = {
-                "launch_to_ready_s": _at(ready) - _at(loading),
-                "readiness_lag_from_port_s": _at(ready) - _at(warming),
+                "launch_to_ready_s": at(ready) - at(loading),
+                "readiness_lag_from_port_s": at(ready) - at(warming),
                 "scheduler_kill_to_readyz_503_s": to_503,
-                "scheduler_kill_to_ready_again_s": _at(again) - killed_at,
+                "scheduler_kill_to_ready_again_s": at(again) - killed_at,
             }
             # Negative: kimi-serve was ready before SGLang's own warmup said so.
-            row["readiness_lag_from_ready_line_s"] = _at(ready) - _at(rolled[0])
+            row["readiness_lag_from_ready_line_s"] = at(ready) - at(rolled[0])
             return row
         finally:
             d.stop(60)
 
 
-def rows(rounds: int) -> list[dict[str, float]]:
-    python, model = sglang_env()
-    return [one_round(python, model) for _ in range(rounds)]
+def rows(rounds: int, standin: bool = False) -> list[dict[str, float]]:
+    python, model = (sys.executable, "") if standin else sglang_env()
+    return [one_round(python, model, standin) for _ in range(rounds)]
 
 
 def summarise(done: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -153,21 +156,26 @@ def summarise(done: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     }
 
 
-def table(summary: dict[str, dict[str, float]], rounds: int) -> str:
-    out = [f"{'figure':<36} {'median':>9} {'max':>9}   ({rounds} rounds, real SGLang 0.5.23)"]
+def table(
+    summary: dict[str, dict[str, float]], rounds: int, server: str = "real SGLang 0.5.23"
+) -> str:
+    out = [f"{'figure':<36} {'median':>9} {'max':>9}   ({rounds} rounds, {server})"]
     for k, v in summary.items():
         out.append(f"{k:<36} {v['median']:>9.3f} {v['max']:>9.3f}")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.real_sglang")
+    ap = parser("real-sglang", __doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--standin", action="store_true", help="the SGLang stand-in instead (the suite's form)"
+    )
     args = ap.parse_args(argv)
-    done = rows(args.rounds)
+    done = rows(args.rounds, args.standin)
     summary = summarise(done)
-    print(table(summary, args.rounds))
+    print(table(summary, args.rounds, "the stand-in" if args.standin else "real SGLang 0.5.23"))
     if args.json:
         args.json.write_text(json.dumps({"rounds": done, "summary": summary}, indent=2))
     return 0

@@ -19,7 +19,7 @@ import contextlib
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from bench.common import (
     http_status,
     is_ready_msg,
     kill_now,
+    state_is,
     wait_until,
 )
 from bench.kimi import KimiServe, bench_config, launch_spec
@@ -50,67 +51,39 @@ APPROACHES = (KIMI, SUPERVISORD, SYSTEMD, POLLER)
 
 @dataclass(frozen=True)
 class Settings:
-    quick: bool
-    load_s: float  # STANDIN_LOAD_SECONDS
-    warmup_s: float  # STANDIN_WARMUP_SECONDS
-    cycles: int  # kills per approach (phase A)
-    poller_cycles: int
-    poller_period: float
-    false_ready_trials: int
-    hang_trials: int
-    hang_window: float  # how long a baseline is watched after a hang began
-    hang_after: int  # STANDIN_HANG_AFTER_DECODES: decodes served before every decode hangs
-    hang_liveness: dict[str, Any]
-    footprint_s: float
-    scrape_every: float
-    flood_plan: str
-    flood_max_lines: int
-    flood_gap: float  # quiet seconds between the log writer's steps
-    broken_timeout: float  # a decode slower than this counts as broken (false-ready check)
+    """The full run's sizes; `tiny()` the --quick ones."""
+
+    quick: bool = False
+    load_s: float = 2.0  # STANDIN_LOAD_SECONDS
+    warmup_s: float = 1.0  # STANDIN_WARMUP_SECONDS
+    cycles: int = 8  # kills per approach (phase A)
+    poller_cycles: int = 3
+    poller_period: float = 10.0
+    false_ready_trials: int = 3
+    hang_trials: int = 3
+    hang_window: float = 20.0  # how long a baseline is watched after a hang began
+    hang_after: int = 30  # STANDIN_HANG_AFTER_DECODES: decodes served before every decode hangs
+    hang_liveness: dict[str, Any] = field(
+        default_factory=lambda: {"interval": "1s", "timeout": "1s", "failure_threshold": 3}
+    )
+    footprint_s: float = 150.0
+    scrape_every: float = 5.0
+    flood_plan: str = "10000:2,50000:2,100000:2,200000:2,0:1"
+    flood_max_lines: int = 300_000
+    flood_gap: float = 0.5  # quiet seconds between the log writer's steps
+    broken_timeout: float = 3.0  # a decode slower than this counts as broken (false-ready check)
 
     @classmethod
     def default(cls) -> Settings:
-        return cls(
-            quick=False,
-            load_s=2.0,
-            warmup_s=1.0,
-            cycles=8,
-            poller_cycles=3,
-            poller_period=10.0,
-            false_ready_trials=3,
-            hang_trials=3,
-            hang_window=20.0,
-            hang_after=30,
-            hang_liveness={"interval": "1s", "timeout": "1s", "failure_threshold": 3},
-            footprint_s=150.0,
-            scrape_every=5.0,
-            flood_plan="10000:2,50000:2,100000:2,200000:2,0:1",
-            flood_max_lines=300_000,
-            flood_gap=0.5,
-            broken_timeout=3.0,
-        )
+        return cls()
 
     @classmethod
     def tiny(cls) -> Settings:
         return cls(
-            quick=True,
-            load_s=0.3,
-            warmup_s=0.1,
-            cycles=2,
-            poller_cycles=1,
-            poller_period=1.0,
-            false_ready_trials=1,
-            hang_trials=1,
-            hang_window=2.0,
-            hang_after=10,
-            hang_liveness={"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
-            footprint_s=2.0,
-            scrape_every=1.0,
-            flood_plan="10000:0.3,100000:0.3,0:1",
-            flood_max_lines=20_000,
-            flood_gap=0.2,
-            broken_timeout=1.0,
-        )
+            True, 0.3, 0.1, 2, 1, 1.0, 1, 1, 2.0, 10,
+            {"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
+            2.0, 1.0, "10000:0.3,100000:0.3,0:1", 20_000, 0.2, 1.0,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -156,10 +129,6 @@ def _first(events: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool])
         if pred(e):
             return KimiServe.at(e)
     return float("nan")
-
-
-def _state(new: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda e: e.get("event") == "state" and e.get("new") == new
 
 
 def _named(name: str) -> Callable[[dict[str, Any]], bool]:
@@ -213,13 +182,13 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                 raise BenchError("kimi-serve sent no STATUS=restarting / READY=1 after a kill")
             assert ks.lines is not None
             evs = ks.lines.events[start:]
-            restarting = _first(evs, _state("restarting"))
+            restarting = _first(evs, state_is("restarting"))
             gone = _first(evs, _named("sglang restart"))
-            cleaning = _first(evs, _state("cleaning"))
-            launching = _first(evs, _state("launching"))
-            loading = _first(evs, _state("loading"))
-            warming = _first(evs, _state("warming"))
-            ready_state = _first(evs, _state("ready"))
+            cleaning = _first(evs, state_is("cleaning"))
+            launching = _first(evs, state_is("launching"))
+            loading = _first(evs, state_is("loading"))
+            warming = _first(evs, state_is("warming"))
+            ready_state = _first(evs, state_is("ready"))
             out["death"].append(
                 {
                     "kill": t_kill,
@@ -292,20 +261,7 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
             r = obs.result(30)
             obs.close()
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": t_exit})
-            out["recovery"].append(
-                {
-                    "detect": t_exit - t_kill,
-                    "respawn": t_spawn - t_exit,
-                    "load": r["bind"] - t_spawn,
-                    "startsecs": t_run - t_spawn,
-                    "total": t_run - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": t_run}
-            )
+            _cycle(out, t_kill, death(10), t_exit, t_spawn, t_run, r, "startsecs", t_run - t_spawn)
             ctx.say(
                 f"  supervisord kill {i + 1}/{s.cycles}: noticed "
                 f"{(t_exit - t_kill) * 1000:.1f} ms, RUNNING again {t_run - t_kill:.2f} s"
@@ -314,6 +270,34 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
     finally:
         sv.stop()
     return out
+
+
+def _cycle(
+    out: dict[str, Any],
+    t_kill: float,
+    dead: float,
+    noticed: float,
+    spawned: float,
+    ready: float,
+    r: dict[str, float],
+    ready_key: str,
+    ready_after: float,
+) -> None:
+    """One kill of a baseline's server, to readiness reported again: its samples."""
+    out["death"].append({"kill": t_kill, "dead": dead, "noticed": noticed})
+    out["recovery"].append(
+        {
+            "detect": noticed - t_kill,
+            "respawn": spawned - noticed,
+            "load": r["bind"] - spawned,
+            ready_key: ready_after,
+            "total": ready - t_kill,
+            "serving": r["decode"] - t_kill,
+        }
+    )
+    out["readiness"].append(
+        {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready}
+    )
 
 
 def _box_work(ctx: Ctx, name: str) -> Path:
@@ -354,20 +338,8 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
             t = box.wait_restarted(unit, before["restarts"] or 0.0, t_kill, 30)
             exited, started, active = t["noticed"], t["started"], t["active"]
             assert exited is not None and started is not None and active is not None
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": exited})
-            out["recovery"].append(
-                {
-                    "detect": exited - t_kill,
-                    "respawn": started - exited,
-                    "load": r["bind"] - started,
-                    "ready_after_spawn": active - started,
-                    "total": active - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": active}
-            )
+            ready_after = ("ready_after_spawn", active - started)
+            _cycle(out, t_kill, death(10), exited, started, active, r, *ready_after)
             ctx.say(
                 f"  systemd kill {i + 1}/{s.cycles}: noticed "
                 f"{(exited - t_kill) * 1000:.1f} ms, active again {active - t_kill:.2f} s"
@@ -451,20 +423,8 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
             _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
             r = obs.result(wait_s)
             obs.close()
-            out["death"].append({"kill": t_kill, "dead": death(10), "noticed": died["t"]})
-            out["recovery"].append(
-                {
-                    "detect": died["t"] - t_kill,
-                    "respawn": spawned["t"] - died["t"],
-                    "load": r["bind"] - spawned["t"],
-                    "ready_after_bind": ready["t"] - r["bind"],
-                    "total": ready["t"] - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready["t"]}
-            )
+            ready_after = ("ready_after_bind", ready["t"] - r["bind"])
+            _cycle(out, t_kill, death(10), died["t"], spawned["t"], ready["t"], r, *ready_after)
             ctx.say(
                 f"  poller kill {i + 1}/{s.poller_cycles}: noticed "
                 f"{died['t'] - t_kill:.2f} s, ready again {ready['t'] - t_kill:.2f} s"
@@ -484,6 +444,18 @@ def _flood_env(ctx: Ctx, result: Path) -> dict[str, str]:
         "BENCH_FLOOD_MAX_LINES": str(ctx.s.flood_max_lines),
         "BENCH_FLOOD_GAP": str(ctx.s.flood_gap),
     }
+
+
+def _flood_steps_cpu(ctx: Ctx, result: Path, pid: int) -> list[dict[str, Any]]:
+    """The writer's steps, each with the supervisor's CPU share from its start to drained."""
+    cpu = CpuSampler(pid)
+    steps = _flood_steps(result, _plan_seconds(ctx))
+    cpu.stop()
+    for step in steps:
+        step["cpu"] = cpu.between(step["start"], step["drained"]) / (
+            step["drained"] - step["start"]
+        )
+    return steps
 
 
 def _flood_steps(result: Path, timeout: float) -> list[dict[str, Any]]:
@@ -527,14 +499,7 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     try:
         ks.start()
         ks.wait_state("loading", 60)
-        cpu = CpuSampler(ks.pid)
-        steps = _flood_steps(result, _plan_seconds(ctx))
-        cpu.stop()
-        for step in steps:
-            step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                step["drained"] - step["start"]
-            )
-        out["kimi-serve"] = steps
+        out["kimi-serve"] = steps = _flood_steps_cpu(ctx, result, ks.pid)
         metrics = _get(ks.admin + "/metrics")
         out["kimi-serve-counted"] = _metric(metrics, 'kimi_serve_log_lines_total{stream="stderr"}')
         out["kimi-serve-written"] = sum(st["lines"] for st in steps)
@@ -552,14 +517,7 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
         try:
             sv.start()
             sv.wait(sv_mod.SPAWNED, 30)
-            cpu = CpuSampler(sv.pid)
-            steps = _flood_steps(result, _plan_seconds(ctx))
-            cpu.stop()
-            for step in steps:
-                step["cpu"] = cpu.between(step["start"], step["drained"]) / (
-                    step["drained"] - step["start"]
-                )
-            out["supervisord"] = steps
+            out["supervisord"] = _flood_steps_cpu(ctx, result, sv.pid)
         finally:
             sv.stop()
         ctx.say("  log pump: supervisord done")
@@ -648,7 +606,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             start, ev = ks.wait_state("restarting", 120, start)
             assert ks.lines is not None
             # The port opened (warming) before the probe found the launch broken.
-            warming = [e for e in ks.lines.events[:start] if _state("warming")(e)]
+            warming = [e for e in ks.lines.events[:start] if state_is("warming")(e)]
             verdicts.append(
                 {
                     "reason": ev["reason"],
@@ -660,7 +618,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
         stop.set()
         poller.join(2)
         ready_msgs = ns.count(is_ready_msg, t0)
-        ready_states = len(ks.lines.find(_state("ready"))) if ks.lines else 0
+        ready_states = len(ks.lines.find(state_is("ready"))) if ks.lines else 0
     finally:
         stop.set()
         ks.stop()
@@ -737,6 +695,19 @@ def _fr_count(trials: list[dict[str, Any]]) -> int:
     return sum(1 for t in trials if not t["decode_ok"] and t["still_ready"])
 
 
+def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
+    """A baseline under the decode hang: the onset, and the watcher's `window` event once it
+    had watched for `hang_window` seconds after it."""
+    obs = Observer(
+        ctx.procs, port, fresh=False, mode="hang", window=ctx.s.hang_window, timeout=60,
+        prefix=prefix,
+    )  # fmt: skip
+    onset = float(obs.event("onset", timeout=70)["t"])
+    window = obs.event("window", timeout=ctx.s.hang_window + 30)
+    obs.close()
+    return onset, window
+
+
 def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
     s = ctx.s
     work = ctx.dir("supervisord-hang")
@@ -746,17 +717,7 @@ def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
     try:
         sv.start()
         sv.wait(sv_mod.RUNNING, 60)
-        obs = Observer(
-            ctx.procs,
-            int(cfg["sglang"]["port"]),
-            fresh=False,
-            mode="hang",
-            window=s.hang_window,
-            timeout=60,
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]))
         assert sv.log is not None
         restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
         trial = {
@@ -813,18 +774,7 @@ def systemd_faults(ctx: Ctx) -> dict[str, Any]:
     box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
     try:
         box.start(unit)
-        obs = Observer(
-            ctx.procs,
-            int(cfg["sglang"]["port"]),
-            fresh=False,
-            mode="hang",
-            window=s.hang_window,
-            timeout=60,
-            prefix=box.prefix,
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]), box.prefix)
         t = box.times(unit)
         hang = [
             {
@@ -878,12 +828,7 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
     pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20, env=_hang_env(s))
     try:
         pr.wait("ready", wait_s)
-        obs = Observer(
-            ctx.procs, pr.port, fresh=False, mode="hang", window=s.hang_window, timeout=60
-        )
-        onset = float(obs.event("onset", timeout=70)["t"])
-        window = obs.event("window", timeout=s.hang_window + 30)
-        obs.close()
+        onset, window = _watch_hang(ctx, pr.port)
         noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died") and e["t"] > onset)
         hang = [
             {

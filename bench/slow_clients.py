@@ -1,7 +1,7 @@
 """/livez under the slow-client attack (docs/benchmarks.md, "Slow clients").
 
-    .venv/bin/python -m bench.slow_clients                   # 70 and 200 clients, 20 s each
-    .venv/bin/python -m bench.slow_clients --clients 70 --seconds 60
+    .venv/bin/python -m bench slow-clients                   # 70 and 200 clients, 20 s each
+    .venv/bin/python -m bench slow-clients --clients 70 --seconds 60
 
 The real daemon on the stand-in, ready; then N loopback connections each send a request head
 one byte every 0.3 s, never finishing it, and open again at once when cut
@@ -12,14 +12,11 @@ row per N: how many probes failed (no answer within 5 s, or not 200) and the /li
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common import parser
 from testkit import base_config, running
 from testkit.slowclients import Prober, Summary, TrickleProcess
 
@@ -37,12 +34,12 @@ def attack(clients: int, interval: float, seconds: float) -> tuple[Summary, dict
     return p.summary, t.stats
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("slow-clients", __doc__)
     ap.add_argument("--clients", type=int, action="append", help="default: 70 and 200")
     ap.add_argument("--interval", type=float, default=0.3, help="seconds between bytes")
     ap.add_argument("--seconds", type=float, default=20.0, help="probing time per row")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(
         "| trickling clients | byte every | probes | failed | /livez p50 ms | /livez p99 ms "
         "| slowest probe ms | attacking connections | cut |"
@@ -56,7 +53,8 @@ def main() -> None:
             f"| {s.slowest() * 1000:.0f} | {t['connections']} | {t['cut']} |",
             flush=True,
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,4 +87,8 @@ def test_quick_bench_runs_and_cleans_up(tmp_path: Path) -> None:
     ):
         assert title in done.stdout
         assert title in md.read_text()
-    assert results["seconds"] < 30, f"--quick took {results['seconds']} s"
+    # --quick stays quick: 30 s on an idle machine, scaled by how busy the cores were (other
+    # work on a shared host stretches every step of it alike).
+    load = max(results["machine"]["loadavg_start"][0], results["machine"]["loadavg_end"][0])
+    limit = 30 * max(1.0, load / (os.cpu_count() or 1))
+    assert results["seconds"] < limit, f"--quick took {results['seconds']} s at load {load:.1f}"
