@@ -66,17 +66,28 @@ def line(text: str) -> str:
     """`text` with every secret value replaced by <redacted>."""
     if not _could_hold_a_secret(text):
         return text
+    return _every_pattern(text)
+
+
+def _every_pattern(text: str) -> str:
     text = _QUOTED_ITEM.sub(_quoted, text)
     text = _AUTH_HEADER.sub(lambda m: f"{m['head']}{REDACTED}", text)
     text = _BEARER.sub(lambda m: f"{m['head']}{REDACTED}", text)
     return _KEYWORD.sub(_keyword, text)
 
 
-_HINT = re.compile(r"key|token|secret|passw|bearer|basic|authorization", re.IGNORECASE)
+# The cheap test first: a log flood of ordinary lines costs one search each. It matches
+# wherever a pattern above could: a secret-looking name before `=` or before a quote and `:`,
+# a secret-looking flag before a space, Bearer / Basic / Authorization. SGLang's decode-batch
+# lines ("#token: 30, token usage: 0.01, ...") name tokens but hold no secret, and pass.
+_SECRETISH = r"(?:key|token|secret|passw)[A-Za-z0-9_.-]*"
+_HINT = re.compile(
+    rf"""{_SECRETISH}(?:['"]\s*:|=)|--[A-Za-z0-9_.-]*{_SECRETISH}\s|bearer|basic|authorization""",
+    re.IGNORECASE,
+)
 
 
 def _could_hold_a_secret(text: str) -> bool:
-    # The cheap test first: a log flood of ordinary lines costs one search each.
     return _HINT.search(text) is not None
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from supervisor import config, redact
 from supervisor.daemon.logpump import LogPump
@@ -53,6 +55,92 @@ def test_what_is_not_a_secret_is_left_alone() -> None:
     assert "'watermark_key': None" in out and "'port': 30000" in out
     decode = "Decode batch. #running-req: 1, #token: 36, token usage: 0.00, gen throughput"
     assert redact.line(decode) == decode
+
+
+# The pieces a log line is made of here: secret-looking names in each of the forms the
+# patterns know, SGLang's ordinary words, separators and values.
+_PIECES = st.sampled_from(
+    [
+        "api_key",
+        "admin-api-key",
+        "hf_token",
+        "client_secret",
+        "password",
+        "token",
+        "#token",
+        "token usage",
+        "max_tokens",
+        "tokenizer_path",
+        "key",
+        "Bearer",
+        "basic",
+        "Authorization",
+        "--",
+        "-",
+        "=",
+        ":",
+        "'",
+        '"',
+        " ",
+        "  ",
+        ",",
+        "{",
+        "}",
+        "(",
+        ")",
+        "[",
+        "]",
+        KEY,
+        "None",
+        "30000",
+        "Decode batch.",
+        "gen throughput (token/s)",
+        "\t",
+    ]
+)
+
+
+_NAMES = st.sampled_from(
+    ["api_key", "admin-api-key", "hf_token", "client_secret", "password", "token", "key", "port"]
+)
+_FORMS = st.sampled_from(
+    [
+        "{n}={v}",
+        "--{n} {v}",
+        "--{n}={v}",
+        "'{n}': '{v}'",
+        '"{n}": "{v}"',
+        "{n}: {v}",
+        "#{n}: {v}",
+        "{n} {v}",
+        "'{n}'  :  \"{v}\"",
+    ]
+)
+_NOISE = st.lists(_PIECES, max_size=4).map("".join)
+
+
+@given(_NOISE, _NAMES, _FORMS, st.sampled_from([KEY, "None", "30", "''"]), _NOISE)
+def test_the_quick_test_never_skips_a_line_a_pattern_would_change(
+    before: str, name: str, form: str, value: str, after: str
+) -> None:
+    """The cheap pre-test only saves time: a line it lets through unchanged is one that every
+    pattern would have left as it is."""
+    text = before + form.format(n=name, v=value) + after
+    assert redact.line(text) == redact._every_pattern(text)
+
+
+@given(st.lists(_PIECES, max_size=14).map("".join))
+def test_the_quick_test_never_skips_a_line_of_pieces(text: str) -> None:
+    assert redact.line(text) == redact._every_pattern(text)
+
+
+def test_sglangs_decode_lines_skip_the_patterns() -> None:
+    decode = (
+        "[2026-12-01 21:47:50] Decode batch. #running-req: 1, #token: 36, token usage: 0.00, "
+        "cuda graph: False, gen throughput (token/s): 5.33, #queue-req: 0"
+    )
+    assert not redact._could_hold_a_secret(decode)
+    assert redact._could_hold_a_secret(SERVER_ARGS_LINE)
 
 
 def test_print_command_never_shows_the_key(tmp_path: Path) -> None:
