@@ -87,7 +87,19 @@ _HINT = re.compile(
 )
 
 
+_WORDS = ("key", "token", "secret", "passw")
+_ALWAYS = ("bearer", "basic", "authorization")
+
+
 def _could_hold_a_secret(text: str) -> bool:
+    low = text.lower()
+    if any(w in low for w in _ALWAYS):
+        return True
+    if not any(w in low for w in _WORDS):
+        return False
+    # Every named form needs `=`, a quote or a `--` flag: without one, no regex is run.
+    if "=" not in text and "'" not in text and '"' not in text and "--" not in text:
+        return False
     return _HINT.search(text) is not None
 
 
