@@ -104,6 +104,10 @@ class Group:
         metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Timings and the token file; reload.judge refuses a change of role or peers."""
+        self.cfg = cfg
+
     # ------------------------------------------------------------------ what this node is
 
     def epoch(self) -> str | None:

@@ -165,7 +165,7 @@ async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Pat
     d = Daemon(cfg, fx)
     assert d.router is not None and d.router.client is made[0]
     without = config_mod.load(str(path))
-    d._take(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
+    d.reconfigure(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
     assert d.router is None and d.observed.router is None
     # /status.router keeps its shape without a router: url null, nothing registered.
     shown = d.observed.status_document()["router"]
@@ -176,7 +176,7 @@ async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Pat
         "worker_id": None,
     }
     assert shown["last_error"] is None
-    d._take(cfg, Verdict.UNCHANGED)
+    d.reconfigure(cfg, Verdict.UNCHANGED)
     assert d.router is not None and d.router.client is made[1] and len(made) == 2
     for link in (d.launcher.router, d.router):
         await router.close_link(link)
