@@ -1,11 +1,14 @@
 """The loop: take an event, let the machine decide, carry out the actions.
 
 Signal handlers, timers, the log pump, probes and process watchers only produce events, through
-`emit` (or by returning one from a task started with `_run`); nothing but the machine changes
-state, and nothing here decides. What each action does lives in the module named for its
-concern: `launcher` (spawn, watch, stop), `host` (cleaning before a launch), `probing` (decode
-probe, intent check), `reload` (SIGHUP), `logpump` (SGLang's lines), `observed` (/status and
-the metrics). The effects themselves come in as one `Effects` object.
+`emit` (or by returning one from a task started with `Inbox.run`); nothing but the machine
+changes state, and nothing here decides: what /readyz answers, the exit status, whether a
+follower joins, how long systemd's job is extended are the machine's answers. What each action
+does lives in the module named for its concern: `launcher` (spawn, watch, stop), `host`
+(cleaning before a launch), `probing` (decode probe, intent check), `reload` (SIGHUP),
+`logpump` (SGLang's lines), `observed` (/status and the metrics). The effects come in as one
+`Effects` object, the parts built from them as one `wiring.Parts`; a reload reaches them all
+through `reconfigure`.
 """
 
 from __future__ import annotations
