@@ -215,3 +215,20 @@ async def test_a_repeated_self_transition_is_one_event_counting_the_repeats(
         ("host_not_ready", 1),
     ]
     await daemon.fx.http.aclose()
+
+
+async def test_a_taken_reload_reaches_every_part_that_reads_the_configuration(
+    daemon: Daemon,
+) -> None:
+    new = config_mod.load(daemon.cfg.path)
+    assert new is not daemon.cfg
+    parts = daemon.parts
+    scanner = parts.pump.scanner
+    daemon.reconfigure(new, Verdict.CHANGED)
+    readers = [parts.machine, parts.observed, parts.launcher, parts.warm, parts.recorder]
+    assert daemon.cfg is new and all(p.cfg is new for p in [*readers, parts.quality])
+    assert parts.pump.scanner is not scanner  # the new fatal patterns and tail length
+    # The parts read one another as wired: nothing is assigned onto them afterwards.
+    assert parts.observed.recorder is parts.recorder and parts.launcher.recorder is parts.recorder
+    assert parts.observed.quality is parts.quality and parts.observed.links is parts.links
+    assert parts.launcher.links is parts.links and parts.recorder.load_extras == parts.warm.current
