@@ -91,6 +91,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import log
     from supervisor.daemon.effects import Effects
     from supervisor.daemon.loop import Daemon
+    from supervisor.daemon.wiring import wire
 
     cfg = _load(args, err)
     if cfg is None:
@@ -106,7 +107,8 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         Notifier().status(f"failed to start: {problem}")
         return EX_CONFIG
     log.setup(cfg.logging.format, cfg.logging.level)
-    return asyncio.run(Daemon(cfg, Effects.real(cfg, open_nvml=_open_nvml)).run())
+    fx = Effects.real(cfg, open_nvml=_open_nvml)
+    return asyncio.run(Daemon(cfg, fx, wire(cfg, fx)).run())
 
 
 def _token_file_problem(cfg: Config) -> str | None:

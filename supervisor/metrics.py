@@ -81,6 +81,20 @@ class _GpuCollector(Collector):
         yield healthy
 
 
+def _gauge(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+    return Gauge(name, doc, labels, registry=r)
+
+
+def _counter(r: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+    return Counter(name, doc, labels, registry=r)
+
+
+def _histogram(
+    r: CollectorRegistry, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]
+) -> Histogram:
+    return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+
 class Metrics:
     def __init__(
         self,
@@ -88,128 +102,127 @@ class Metrics:
         gpu_snapshot: Callable[[], Sequence[dict[str, Any]]] = list,
     ) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.state = Gauge(
+        self.state = _gauge(
+            r,
             "kimi_serve_state",
             "1 for the daemon's current state, 0 for the others.",
             ["state"],
-            registry=r,
         )
-        self.ready = Gauge(
+        self.ready = _gauge(
+            r,
             "kimi_serve_ready",
             "1 when SGLang has passed a real decode probe and is serving (ready or degraded); "
             "on a multi-node follower, only while the leader reports the same launch ready.",
-            registry=r,
         )
-        self.group_peer_up = Gauge(
+        self.group_peer_up = _gauge(
+            r,
             "kimi_serve_group_peer_up",
             "A multi-node replica: 1 when the peer's admin endpoint answered the last poll.",
             ["peer"],
-            registry=r,
         )
-        self.restarts = Counter(
-            "kimi_serve_restarts", "SGLang restarts, by reason.", ["reason"], registry=r
+        self.restarts = _counter(
+            r, "kimi_serve_restarts", "SGLang restarts, by reason.", ["reason"]
         )
-        self.child_starts = Counter(
-            "kimi_serve_child_starts", "SGLang processes launched.", registry=r
-        )
-        self.probe_duration = Histogram(
+        self.child_starts = _counter(r, "kimi_serve_child_starts", "SGLang processes launched.")
+        self.probe_duration = _histogram(
+            r,
             "kimi_serve_probe_duration_seconds",
             "Decode probe round trip, by kind (readiness|liveness) and outcome.",
             ["kind", "outcome"],
             buckets=PROBE_BUCKETS,
-            registry=r,
         )
-        self.probe_failures = Counter(
+        self.probe_failures = _counter(
+            r,
             "kimi_serve_probe_failures",
             "Failed decode probes, by kind and reason.",
             ["kind", "reason"],
-            registry=r,
         )
-        self.last_load = Gauge(
+        self.last_load = _gauge(
+            r,
             "kimi_serve_last_load_duration_seconds",
             "Seconds from launch to the first successful decode probe, for the last launch.",
-            registry=r,
         )
-        self.restart_downtime = Histogram(
+        self.restart_downtime = _histogram(
+            r,
             "kimi_serve_restart_downtime_seconds",
             "From leaving ready to ready again, per restart nobody asked for (a crash loop's "
             "restarts before ready again are one).",
+            (),
             buckets=DOWNTIME_BUCKETS,
-            registry=r,
         )
-        self.child_start_time = Gauge(
+        self.child_start_time = _gauge(
+            r,
             "kimi_serve_child_start_time_seconds",
             "Unix time the current SGLang process was started (0 when none runs).",
-            registry=r,
         )
-        self.gpu_killed = Counter(
+        self.gpu_killed = _counter(
+            r,
             "kimi_serve_gpu_leftover_processes_killed",
             "Leftover GPU processes killed before a launch, per GPU.",
             ["gpu", "UUID"],
-            registry=r,
         )
-        self.gpu_release = Gauge(
+        self.gpu_release = _gauge(
+            r,
             "kimi_serve_gpu_memory_release_seconds",
             "Seconds the last cleaning waited for GPU memory to be released.",
-            registry=r,
         )
-        self.profile = Gauge(
+        self.profile = _gauge(
+            r,
             "kimi_serve_profile_info",
             "1 for the profile SGLang is launched with.",
             ["profile"],
-            registry=r,
         )
-        self.build = Gauge(
+        self.build = _gauge(
+            r,
             "kimi_serve_build_info",
             "kimi-serve's version and the SGLang version it runs.",
             ["version", "sglang_version"],
-            registry=r,
         )
-        self.log_lines = Counter(
-            "kimi_serve_log_lines", "Lines SGLang printed, by stream.", ["stream"], registry=r
+        self.log_lines = _counter(
+            r, "kimi_serve_log_lines", "Lines SGLang printed, by stream.", ["stream"]
         )
-        self.log_suppressed = Counter(
+        self.log_suppressed = _counter(
+            r,
             "kimi_serve_log_lines_suppressed",
             "SGLang lines not forwarded to the daemon's log under a flood (still scanned).",
-            registry=r,
         )
-        self.mismatch = Gauge(
+        self.mismatch = _gauge(
+            r,
             "kimi_serve_server_arg_mismatch",
             "1 when the running server's resolved argument differs from the configured one.",
             ["arg"],
-            registry=r,
         )
-        self.state_since = Gauge(
+        self.state_since = _gauge(
+            r,
             "kimi_serve_state_since_seconds",
             "Unix time the current state was entered.",
-            registry=r,
         )
-        self.router_registered = Gauge(
+        self.router_registered = _gauge(
+            r,
             "kimi_serve_router_registered",
             "1 while the router's worker list confirms this SGLang as registered.",
-            registry=r,
         )
-        self.router_errors = Counter(
+        self.router_errors = _counter(
+            r,
             "kimi_serve_router_errors",
             "Failed calls to the router's worker API, by operation.",
             ["op"],
-            registry=r,
         )
         for op in ROUTER_OPS:
             self.router_errors.labels(op)
-        self.load_phase = Gauge(
+        self.load_phase = _gauge(
+            r,
             "kimi_serve_load_phase_seconds",
             "The last launch's load, split at SGLang's own log markers "
             "(supervisor/sglang/loadphases.py);"
             " a phase SGLang did not print is absent, not 0.",
             ["phase"],
-            registry=r,
         )
-        self.admin_denied = Counter(
+        self.admin_denied = _counter(
+            r,
             "kimi_serve_admin_denied",
             "Admin requests refused for a missing or wrong bearer token, by endpoint.",
             ["endpoint"],
-            registry=r,
         )
         self._gpu_source = gpu_snapshot
         # kimi_serve_gpu_healthy: the fitness verdict of each managed GPU, read at scrape time
@@ -217,37 +230,37 @@ class Metrics:
         # before a launch, a critical event) wins, so a GPU that is lost, and can no longer
         # be listed, still reads 0.
         self._gpu_fit: dict[tuple[str, str], bool] = {}
-        self.gpu_xid_events = Counter(
+        self.gpu_xid_events = _counter(
+            r,
             "kimi_serve_gpu_xid_events",
             "Critical Xid events NVML delivered for the managed GPU, by Xid.",
             ["gpu", "UUID", "xid"],
-            registry=r,
         )
         r.register(_GpuCollector(lambda: self._gpu_source(), lambda: self._gpu_fit))
         # Serving quality (docs/quality.md).
-        self.canary_ok = Gauge(
+        self.canary_ok = _gauge(
+            r,
             "kimi_serve_canary_ok",
             "1 when the last canary matched (or learned) the golden answer, 0 on a mismatch "
             "or while no canary has run on this launch.",
-            registry=r,
         )
-        self.spec_accept_length = Gauge(
+        self.spec_accept_length = _gauge(
+            r,
             "kimi_serve_spec_accept_length",
             "Mean speculative accept length (tokens per verification) of the launch; 0 without "
             "speculative decoding.",
-            registry=r,
         )
-        self.decode_tps = Gauge(
+        self.decode_tps = _gauge(
+            r,
             "kimi_serve_decode_tokens_per_second",
             "Single-stream decode speed of the last probe or canary, tokens/s.",
-            registry=r,
         )
-        self.quality_degraded = Gauge(
+        self.quality_degraded = _gauge(
+            r,
             "kimi_serve_quality_degraded",
             "1 while the serving-quality reason holds (canary_mismatch, spec_collapse, "
             "slow_decode, no_cuda_graph).",
             ["reason"],
-            registry=r,
         )
         # Series that exist from the first scrape, so alerts and rate() see a zero, not a gap.
         for reason in Reason:

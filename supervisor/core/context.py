@@ -55,6 +55,8 @@ class Context:
     canary_at: float | None = None  # when the launch's last canary was asked for
     # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
     handing_over: bool = False
+    # An effect of the daemon failed: it stops cleanly, and exits 1 whatever the stop's own code.
+    internal_error: bool = False
 
 
 class MachineBase:
@@ -63,6 +65,10 @@ class MachineBase:
     def __init__(self, cfg: Config, now: float) -> None:
         self.cfg = cfg
         self.ctx = Context(since=now, backoff=cfg.restart.backoff_initial)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """A reload took `cfg`: the next decisions follow it."""
+        self.cfg = cfg
 
     # ------------------------------------------------------------------ helpers
 

@@ -142,6 +142,7 @@ from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
 __all__ = [
     "CHILD_STATES",
     "EDGES",
+    "EXTEND_BY_S",
     "EX_RESTART_BY_ORCHESTRATOR",
     "ILLEGAL",
     "PROBED",
@@ -227,7 +228,45 @@ class Machine(ProbeRules, DrainRules):
                 actions = self._undrain(now)
             case _:
                 actions = self._decide(event, now)
-        return self._with_router(before, actions)
+        actions = self._with_router(before, actions)
+        if self.ctx.internal_error:
+            actions = [Exit(1) if isinstance(a, Exit) else a for a in actions]
+        return actions
+
+    # ------------------------------------------------------------------ asked by the daemon
+
+    def internal_error(self) -> None:
+        """An effect failed (the daemon stops with StopRequested("internal-error")): every
+        exit from now on is 1, whatever code the stop would have had."""
+        self.ctx.internal_error = True
+
+    def ready(self, child_dying: bool, group_ready: bool | None) -> bool:
+        """/readyz and kimi_serve_ready: never while a worker's death is being reported; a
+        node of a multi-node group by the group's rule (`group_ready`); else the state."""
+        if child_dying:
+            return False
+        if group_ready is not None:
+            return group_ready
+        return self.ctx.state in SERVING
+
+    def joins_group(self, cleaned: Event) -> bool:
+        """After a cleaning: a follower launches only into the leader's next epoch, so it joins
+        first (group.Group.join); not when the cleaning was for handing over (restart.mode)."""
+        joins = isinstance(cleaned, HostReady) and not self.ctx.handing_over
+        return joins and self.cfg.group.role == "follower"
+
+    def stays_ready(self, verdict: Verdict) -> bool:
+        """A reload with this verdict leaves a `ready` server serving (no restart follows):
+        a newly configured router gets it at once (router.relink)."""
+        return verdict is Verdict.UNCHANGED and self.ctx.state is State.READY
+
+    def job_extension(self) -> float | None:
+        """How long systemd's running start (or stop) job is to be extended, or None
+        (`extends_job`); a stop gets the drain's budget on top."""
+        state = self.ctx.state
+        if not extends_job(state, self.ctx.ever_ready):
+            return None
+        return EXTEND_BY_S + self.cfg.stop.drain_timeout * (state is State.STOPPING)
 
     def _decide(self, event: Event, now: float) -> list[Action]:
         ctx = self.ctx
@@ -439,6 +478,10 @@ class Machine(ProbeRules, DrainRules):
         ctx.pending = Reason.FATAL_LOG
         ctx.pending_detail = event.line
         return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
+
+
+# Systemd's start job is extended by this much each time, while loading a 10-minute model.
+EXTEND_BY_S = 30.0
 
 
 def extends_job(state: State, ever_ready: bool) -> bool:

@@ -26,21 +26,11 @@ import httpx
 from supervisor import log, untrusted
 from supervisor import secret_files as admin_token
 from supervisor.config import Config
-from supervisor.core.machine import (
-    SERVING,
-    Context,
-    Event,
-    GroupEnded,
-    PeerView,
-    State,
-    Transitioned,
-    epoch_running,
-    follower_ends,
-    follower_failed_ends,
-    follower_may_join,
-    group_ready,
-    leader_ends,
-)
+from supervisor.core import group_rules as rules
+from supervisor.core.context import Context
+from supervisor.core.events import Event, GroupEnded, Transitioned
+from supervisor.core.group_rules import PeerView
+from supervisor.core.states import SERVING, State
 from supervisor.metrics import Metrics
 
 # A GET /group answer is about 150 bytes. A peer that sends more is broken or hostile: reading
@@ -104,6 +94,10 @@ class Group:
         metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Timings and the token file; reload.judge refuses a change of role or peers."""
+        self.cfg = cfg
+
     # ------------------------------------------------------------------ what this node is
 
     def epoch(self) -> str | None:
@@ -115,10 +109,10 @@ class Group:
         return self.peers[0].view if self.role == "follower" and self.peers else None
 
     def running(self) -> bool:
-        return self.ctx.child and epoch_running(self.ctx.state)
+        return self.ctx.child and rules.epoch_running(self.ctx.state)
 
     def ready(self) -> bool:
-        return group_ready(self.role, self.ctx.state, self.joined, self.leader())
+        return rules.group_ready(self.role, self.ctx.state, self.joined, self.leader())
 
     def view(self) -> dict[str, Any]:
         """GET /group."""
@@ -171,7 +165,7 @@ class Group:
         it too, one poll later); so does one that enters `failed`, joined or not."""
         if self.role != "follower":
             return
-        ended = t.old is not t.new and epoch_running(t.old) and not epoch_running(t.new)
+        ended = t.old is not t.new and rules.epoch_running(t.old) and not rules.epoch_running(t.new)
         if self.joined is not None and ended:
             epoch, self.joined = self.joined, None
             if t.reason != "group":
@@ -181,7 +175,7 @@ class Group:
             self._report_failed()
 
     def _report_failed(self) -> None:
-        epoch = follower_failed_ends(self.ctx.state, self.leader(), self._told_failed)
+        epoch = rules.follower_failed_ends(self.ctx.state, self.leader(), self._told_failed)
         if epoch is None:
             return
         self._told_failed = epoch
@@ -197,7 +191,7 @@ class Group:
     async def join(self) -> None:
         """Follower, host clean: wait until the leader has a new epoch starting, then take it.
         Never launches alone: with no leader answer it waits (cancelled by a stop)."""
-        while not follower_may_join(self.leader(), self.last_joined):
+        while not rules.follower_may_join(self.leader(), self.last_joined):
             self.polled.clear()
             await self.polled.wait()
         view = self.leader()
@@ -236,12 +230,12 @@ class Group:
                 v = p.view
                 if v is not None and v.epoch == epoch and v.running:
                     p.joined = epoch
-                why = why or leader_ends(
+                why = why or rules.leader_ends(
                     epoch, state, v, p.joined == epoch, self._gap(p, now), gcfg.partition_timeout
                 )
         else:
             self._report_failed()  # each new epoch of a leader that relaunches, too
-            why = follower_ends(
+            why = rules.follower_ends(
                 self.joined,
                 state,
                 self.leader(),

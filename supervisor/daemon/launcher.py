@@ -32,6 +32,7 @@ from supervisor.core.machine import (
     StopChild,
     WatchesEnd,
 )
+from supervisor.daemon.links import RouterSlot
 from supervisor.daemon.observed import Observed
 from supervisor.process import Child, ProcessOwner, wait_port_open
 from supervisor.process.identity import LaunchRecord, RecordStore
@@ -57,8 +58,9 @@ class Launcher:
         observed: Observed,
         emit: Callable[[Event], None],
         spawn: Spawn,
-        router: RouterLink | None = None,
+        links: RouterSlot | None = None,
         http: httpx.AsyncClient | None = None,
+        recorder: IncidentRecorder | None = None,
     ) -> None:
         self.cfg = cfg
         self.http = http  # the probes' client: it sends SGLang's API key (sglang_key.Bearer)
@@ -68,14 +70,22 @@ class Launcher:
         self.observed = observed
         self.emit = emit
         self.spawn = spawn
-        self.router = router  # a stop waits until the router no longer sends to this SGLang
+        self.links = links or RouterSlot()  # a stop waits until the router stops sending here
         self.log = log.get()
         self.child: Child | None = None
         self.spec: LaunchSpec = command.build(cfg)  # the current launch's command line
         self._port_watch: asyncio.Task[Any] | None = None
         self._tree_watch: asyncio.Task[Any] | None = None
-        # Takes the stacks of a live, broken launch before its kill (set by the daemon).
-        self.recorder: IncidentRecorder | None = None
+        # Takes the stacks of a live, broken launch before its kill.
+        self.recorder = recorder
+
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    @property
+    def router(self) -> RouterLink | None:
+        """The link a stop waits on: one a reload removed still deregisters first."""
+        return self.links.for_stop
 
     def launch(self, action: Launch, before: Callable[[], None]) -> None:
         spec = self.spec = command.build(self.cfg, action.profile)

@@ -50,7 +50,7 @@ class LogPump:
         self._suppressed_since = 0.0
         self._pending_launch: int | None = None  # the launch whose traceback awaits its end
 
-    def configure(self, cfg: Config) -> None:
+    def reconfigure(self, cfg: Config) -> None:
         """A reloaded configuration: new fatal patterns and tail length. What the running launch
         printed stays in the tail: a reload that relaunches nothing (or not yet) must not take
         the lines before a later crash out of its restart record and incident."""

@@ -1,11 +1,14 @@
 """The loop: take an event, let the machine decide, carry out the actions.
 
 Signal handlers, timers, the log pump, probes and process watchers only produce events, through
-`emit` (or by returning one from a task started with `_run`); nothing but the machine changes
-state, and nothing here decides. What each action does lives in the module named for its
-concern: `launcher` (spawn, watch, stop), `host` (cleaning before a launch), `probing` (decode
-probe, intent check), `reload` (SIGHUP), `logpump` (SGLang's lines), `observed` (/status and
-the metrics). The effects themselves come in as one `Effects` object.
+`emit` (or by returning one from a task started with `Inbox.run`); nothing but the machine
+changes state, and nothing here decides: what /readyz answers, the exit status, whether a
+follower joins, how long systemd's job is extended are the machine's answers. What each action
+does lives in the module named for its concern: `launcher` (spawn, watch, stop), `host`
+(cleaning before a launch), `probing` (decode probe, intent check), `reload` (SIGHUP),
+`logpump` (SGLang's lines), `observed` (/status and the metrics). The effects come in as one
+`Effects` object, the parts built from them as one `wiring.Parts`; a reload reaches them all
+through `reconfigure`.
 """
 
 from __future__ import annotations
@@ -15,144 +18,71 @@ import contextlib
 import dataclasses
 import signal
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
-from supervisor import admin, log, router, warm
+from supervisor import admin, log, router
 from supervisor import secret_files as admin_token
-from supervisor.config import Config, ConfigError
-from supervisor.core.machine import (
-    SERVING,
-    Action,
-    CancelTimer,
-    CheckIntent,
-    ChildExited,
-    ChildGone,
-    CleanHost,
-    ConfigRead,
-    DrainRequested,
-    Event,
-    Exit,
-    HostReady,
-    Launch,
-    Machine,
-    NotifyReady,
-    NotifyReloaded,
-    NotifyReloading,
-    PortOpen,
-    ProbeDone,
-    ProbeKind,
-    ProfileChanged,
-    ReadConfig,
-    Reason,
-    RecordRestart,
-    ReloadRequested,
-    RestartRequested,
-    RouterDeregister,
-    RouterRegister,
-    SetTimer,
-    Start,
-    StartProbe,
-    State,
-    StopChild,
-    StopRequested,
-    TimerFired,
-    TimerName,
-    Transitioned,
-    UndrainRequested,
-    Verdict,
-    extends_job,
-    watches_end,
-)
-from supervisor.daemon import group, host, probing, reload, startup
+from supervisor.config import Config
+from supervisor.core import events as ev
+from supervisor.core.machine import Verdict, watches_end
+from supervisor.core.states import ProbeKind, Reason, State, TimerName
+from supervisor.daemon import host, probing, reload, startup
 from supervisor.daemon.effects import Effects
-from supervisor.daemon.launcher import Launcher
-from supervisor.daemon.logpump import LogPump
+from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
-from supervisor.daemon.observed import Observed
-from supervisor.daemon.quality_watch import QualityWatch
+from supervisor.daemon.reload import Read
+from supervisor.daemon.wiring import Parts, wire
 from supervisor.exits import EX_CONFIG
 from supervisor.gpu import fitness_watch
+from supervisor.gpu.fitness_watch import Monitor
 from supervisor.gpu.nvml import Nvml
 from supervisor.incidents import stacks
-from supervisor.incidents.recorder import IncidentRecorder
-from supervisor.sglang import probe
+from supervisor.router import RouterLink
 
-# Systemd's start job is extended by this much each time, while loading a 10-minute model.
-EXTEND_BY_S = 30.0
-EXTEND_EVERY_S = 10.0
+EXTEND_EVERY_S = 10.0  # how often systemd's job is extended (by Machine.job_extension)
 LOOP_ERROR_EVERY_S = 60.0
 # /livez fails when the loop has not turned for this long.
 LOOP_STALE_S = 5.0
 
 
-@dataclass(frozen=True)
-class _Read:
-    """The reloaded file as read, judged on the loop against the running configuration."""
-
-    config: Config | ConfigError
-
-
-Item = Event | _Read
-
-
 class Daemon:
-    def __init__(self, cfg: Config, effects: Effects | None = None) -> None:
+    def __init__(self, cfg: Config, effects: Effects | None = None, parts: Parts | None = None):
+        """Every part comes built (`wiring.wire`, unless the caller wired its own)."""
         fx = effects or Effects.real(cfg)
+        p = parts or wire(cfg, fx)
         self.cfg = cfg
         self.fx = fx
+        self.parts = p
         self.clock = fx.clock
         self.notifier = fx.notifier
         self.metrics = fx.metrics
         self.log = log.get()
-        self.machine = Machine(cfg, self.clock())
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.observed = Observed(cfg, self.machine.ctx, fx.metrics, fx.clock, fx.wall)
-        # The evidence of each restart nobody asked for (docs/incidents.md).
-        self.recorder = IncidentRecorder(cfg, wall=fx.wall)
-        self.observed.recorder = self.recorder
-        # Serving quality: the canary, decode speed, accept length, graphs (docs/quality.md).
-        self.quality = self.observed.quality = QualityWatch(cfg, fx.http, fx.metrics, self.emit)
-        self.pump = LogPump(cfg, fx.metrics, fx.clock, self.emit, on_line=self._line)
-        self.router = self.observed.router = router.link_for(
-            cfg, self.log, fx.metrics, fx.router_http
-        )
-        self.launcher = Launcher(
-            cfg,
-            self.machine.ctx,
-            fx.owner,
-            fx.store,
-            self.observed,
-            self.emit,
-            self._spawn,
-            self.router,
-            http=fx.http,
-        )
-        self.launcher.recorder = self.recorder
-        # Caches made and measured, weights prewarmed, before each launch (docs/benchmarks.md).
-        self.warm = warm.Warm(
-            cfg, fx.clock, self._spawn, lambda: self.notifier.status(self.status_line())
-        )
-        self.recorder.load_extras = self.warm.current
-        self.observed.note = self.warm.note
-        fx.owner.bind(self.pump.lines, self.launcher.exited)
+        self.machine = p.machine
+        self.inbox = p.inbox
+        self.queue = p.inbox.queue
+        self.observed = p.observed
+        self.recorder = p.recorder
+        self.quality = p.quality
+        self.pump = p.pump
+        self.launcher = p.launcher
+        self.warm = p.warm
+        self.gate = p.gate
+        self.group = p.group
         self._timers: dict[TimerName, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_code: int | None = None
-        self._internal_error = False
         self._beat = self.clock()
         self._preparing = False
         self._loop_errors: dict[str, float] = {}
-        # GPU fitness (gpus.manage): read before every launch, NVML's critical events watched.
-        self.monitor: fitness_watch.Monitor | None = None
-        # At most one decode probe in flight against SGLang; a timed-out one is aborted.
-        self.gate = probe.ProbeGate()
-        # A multi-node replica coordinated over the admin endpoints (docs/multinode.md).
-        self.group = self.observed.group = (
-            group.Group(cfg, self.machine.ctx, fx.http, self.emit, fx.clock, fx.metrics)
-            if cfg.group.answers
-            else None
-        )
+
+    @property
+    def router(self) -> RouterLink | None:
+        """The current link (a reload may add, move or remove it): router.DrainHost."""
+        return self.parts.links.current
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """GPU fitness (gpus.manage): read before every launch, NVML's critical events watched."""
+        return self.parts.gpus.monitor
 
     @property
     def nvml(self) -> Nvml | None:
@@ -167,8 +97,8 @@ class Daemon:
         stacks.confine()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.emit, StopRequested(sig.name))
-        loop.add_signal_handler(signal.SIGHUP, self.emit, ReloadRequested())
+            loop.add_signal_handler(sig, self.emit, ev.StopRequested(sig.name))
+        loop.add_signal_handler(signal.SIGHUP, self.emit, ev.ReloadRequested())
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()
@@ -176,7 +106,7 @@ class Daemon:
         try:
             # Started first: preflight runs SGLang's parser (seconds, up to minutes on a cold
             # disk) and systemd's start timeout must be extended meanwhile.
-            self._spawn(self._ticker())
+            self.inbox.spawn(self._ticker())
             # The admin port next, before anything slow: bound after preflight, it was free for
             # seconds to minutes at every start, for any local user to take (and with it the
             # operator's token, sent by `kimi-serve status`); see docs/security.md.
@@ -212,15 +142,20 @@ class Daemon:
                 self._preparing = False
             if code is not None:
                 return code
-            self.monitor = self.observed.monitor = await fitness_watch.start(
-                self.nvml, self.cfg.gpus.devices, self.emit, self.metrics, self.log, self._spawn
+            self.parts.gpus.monitor = await fitness_watch.start(
+                self.nvml,
+                self.cfg.gpus.devices,
+                self.emit,
+                self.metrics,
+                self.log,
+                self.inbox.spawn,
             )
             # Whatever a previous run left in the router's list is not decode-verified.
-            router.carry_out(self.router, RouterDeregister(0, "startup", wait_idle=False))
+            router.carry_out(self.router, ev.RouterDeregister(0, "startup", wait_idle=False))
             self.observed.profile(None, self.machine.ctx.profile)
             if self.group is not None:
-                self._spawn(self.group.run())
-            self.emit(Start())
+                self.inbox.spawn(self.group.run())
+            self.emit(ev.Start())
             while self._exit_code is None:
                 self.dispatch(await self.queue.get())
             return self._exit_code
@@ -260,10 +195,11 @@ class Daemon:
             await self.launcher.teardown()
         for handle in self._timers.values():
             handle.cancel()
-        for task in list(self._tasks):
+        tasks = self.inbox.tasks
+        for task in list(tasks):
             task.cancel()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         if shutdown_admin is not None:
             with contextlib.suppress(Exception):
                 await shutdown_admin()
@@ -275,46 +211,20 @@ class Daemon:
 
     # ============================================================ events in
 
-    def emit(self, event: Event | _Read) -> None:
-        """The one way an effect hands an event to the loop."""
-        self.queue.put_nowait(event)
-
-    def _run(self, coro: Coroutine[Any, Any, Event | _Read | None]) -> None:
-        """Run an effect as a task; the event it returns is emitted."""
-
-        async def run() -> None:
-            event = await coro
-            if event is not None:
-                self.emit(event)
-
-        self._spawn(run())
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
-            # A broken effect must not leave the machine waiting forever: stop cleanly.
-            self._internal_error = True
-            self.emit(StopRequested("internal-error"))
-            self.log.error("internal task failed; stopping", error=repr(exc))
-            self.log.debug("internal task traceback", exc_info=exc)
+    def emit(self, item: Item) -> None:
+        """The one way an effect hands an event to the loop (Inbox.emit)."""
+        self.inbox.emit(item)
 
     # ============================================================ the loop
 
     def dispatch(self, item: Item) -> None:
         self._beat = self.clock()
-        if isinstance(item, _Read):
+        if isinstance(item, Read):
             verdict = reload.judge(self.cfg, item.config, self.observed.refused_reload)
             if isinstance(item.config, Config) and verdict is not Verdict.INVALID:
-                self._take(item.config, verdict)
-            item = ConfigRead(verdict)
-        elif isinstance(item, ChildExited | ChildGone):
+                self.reconfigure(item.config, verdict)
+            item = ev.ConfigRead(verdict)
+        elif isinstance(item, ev.ChildExited | ev.ChildGone):
             # A traceback whose end never came is the death's cause: its verdict goes first.
             fatal = self.pump.settle_now(item.launch)
             if fatal is not None:
@@ -323,9 +233,9 @@ class Daemon:
         for action in self.machine.handle(item, self.clock()):
             self._do(action)
 
-    def _do(self, action: Action) -> None:
+    def _do(self, action: ev.Action) -> None:
         match action:
-            case Transitioned():
+            case ev.Transitioned():
                 self.warm.transitioned(action, self.machine.ctx.profile)
                 self.observed.transitioned(action)
                 if action.new is State.STOPPING:
@@ -335,31 +245,31 @@ class Daemon:
                 self.launcher.end_watches(watches_end(action))
                 if self.group is not None:
                     self.group.transitioned(action)
-            case CleanHost():
+            case ev.CleanHost():
                 fx, profile = self.fx, self.machine.ctx.profile
                 cleaned = host.clean(
                     self.cfg, profile, fx.store, fx.owner, self.nvml, self.observed, self.monitor
                 )
-                self._run(self._clean_then_join(cleaned))
-            case Launch():
+                self.inbox.run(self._clean_then_join(cleaned))
+            case ev.Launch():
                 self.launcher.launch(action, before=self.pump.new_launch)
                 if self.launcher.child is not None and self.launcher.child.launch == action.launch:
                     self.recorder.launched(action.launch, action.profile, self.clock())
                     self.quality.launched(action.launch, self.launcher.spec)
-            case StartProbe():
-                self._spawn(self._probe(action))
-            case StopChild():
+            case ev.StartProbe():
+                self.inbox.spawn(self._probe(action))
+            case ev.StopChild():
                 self.launcher.stop(action)
-            case SetTimer():
+            case ev.SetTimer():
                 self._cancel_timer(action.name)
-                event = TimerFired(action.name, action.launch)
+                event = ev.TimerFired(action.name, action.launch)
                 loop = asyncio.get_running_loop()
                 self._timers[action.name] = loop.call_later(action.delay, self.emit, event)
-            case CancelTimer():
+            case ev.CancelTimer():
                 self._cancel_timer(action.name)
-            case NotifyReady():
+            case ev.NotifyReady():
                 self.notifier.ready(self.status_line())
-            case RecordRestart():
+            case ev.RecordRestart():
                 tail = self.pump.tail()
                 self.observed.restart(action, tail)
                 self.observed.incident_written(
@@ -372,15 +282,15 @@ class Daemon:
                         self.observed.gpu_status(),
                     )
                 )
-            case ProfileChanged():
+            case ev.ProfileChanged():
                 self.observed.profile(action.old, action.new)
-            case CheckIntent():
-                self._spawn(self._intent(action))
-            case ReadConfig():
-                self._run(self._read_config())
-            case NotifyReloading():
+            case ev.CheckIntent():
+                self.inbox.spawn(self._intent(action))
+            case ev.ReadConfig():
+                self.inbox.run(self._read_config())
+            case ev.NotifyReloading():
                 self.notifier.reloading()
-            case NotifyReloaded():
+            case ev.NotifyReloaded():
                 # READY=1 ends systemd's reload job; before the first decode it would end the
                 # start job too, so the machine says which.
                 line = f"{self.status_line()}{action.note}"
@@ -388,20 +298,20 @@ class Daemon:
                     self.notifier.ready(line)
                 else:
                     self.notifier.status(line)
-            case RouterRegister() | RouterDeregister():
+            case ev.RouterRegister() | ev.RouterDeregister():
                 router.carry_out(self.router, action)
-            case Exit():
-                self._exit_code = 1 if self._internal_error else action.code
+            case ev.Exit():
+                self._exit_code = action.code  # 1 after an internal error: Machine.internal_error
 
-    def _observe(self, item: Event) -> None:
+    def _observe(self, item: ev.Event) -> None:
         """The load timeline's marks that come as events (docs/incidents.md)."""
         child = self.launcher.child
         if child is None or getattr(item, "launch", None) != child.launch:
             return
         match item:
-            case PortOpen():
+            case ev.PortOpen():
                 self.recorder.port_open(self.clock())
-            case ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
+            case ev.ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
                 now, took = self.clock(), item.result.latency_s
                 self.metrics.set_load_phases(self.recorder.probe_ok(now, took))
 
@@ -412,7 +322,7 @@ class Daemon:
 
     # ============================================================ effects that answer
 
-    async def _probe(self, action: StartProbe) -> None:
+    async def _probe(self, action: ev.StartProbe) -> None:
         spec = self.launcher.spec  # judged against what was launched
         # probing.decode reads SGLang's counters beside the probe (never before it: a frozen
         # server must not delay the hang's detection); the speed reading reuses that read.
@@ -439,11 +349,7 @@ class Daemon:
         except Exception as exc:
             self.log.error("quality reading failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _line(self, line: str, mono_now: float) -> None:
-        self.recorder.line(line, mono_now)
-        self.quality.line(line)
-
-    async def _intent(self, action: CheckIntent) -> None:
+    async def _intent(self, action: ev.CheckIntent) -> None:
         info, mismatches = await probing.check_intent(
             self.fx.http, self.cfg, self.launcher.spec, action.probe.meta
         )
@@ -451,31 +357,24 @@ class Daemon:
             self.recorder.server_info(info)
         self.observed.intent_checked(info, mismatches)
 
-    async def _clean_then_join(self, cleaned: Coroutine[Any, Any, Event]) -> Event:
+    async def _clean_then_join(self, cleaned: Coroutine[Any, Any, ev.Event]) -> ev.Event:
         """A follower launches only into the leader's next epoch (group.Group.join)."""
         event = await cleaned
-        g, joins = self.group, isinstance(event, HostReady) and not self.machine.ctx.handing_over
-        if joins and g is not None and g.role == "follower":
-            await g.join()
+        if self.group is not None and self.machine.joins_group(event):
+            await self.group.join()
         return event
 
-    async def _read_config(self) -> _Read:
-        return _Read(await reload.read(self.cfg.path))
+    async def _read_config(self) -> Read:
+        return Read(await reload.read(self.cfg.path))
 
-    def _take(self, new: Config, verdict: Verdict) -> None:
-        """A valid configuration replaces the running one, everywhere it is read."""
-        ready = verdict is Verdict.UNCHANGED and self.machine.state is State.READY
-        self.router = self.observed.router = router.relink(
-            self.router, new, self.log, self.metrics, ready, self.fx.router_http
-        )
-        # A link a reload removed still deregisters before the stop that may follow.
-        self.launcher.router = self.router or self.launcher.router
-        self.cfg = self.machine.cfg = self.observed.cfg = self.launcher.cfg = self.warm.cfg = new
-        self.pump.configure(new)
-        self.recorder.reconfigure(new)
-        self.quality.cfg = new
-        if self.group is not None:
-            self.group.cfg = new  # timings and token file (reload.judge refuses role, peers)
+    def reconfigure(self, new: Config, verdict: Verdict) -> None:
+        """A valid configuration replaces the running one, everywhere it is read: the router
+        link is kept, moved, made or removed (`RouterSlot.relink`), then every part that holds
+        the configuration takes it (`Parts.holders`)."""
+        self.parts.links.relink(new, ready=self.machine.stays_ready(verdict))
+        self.cfg = new
+        for part in self.parts.holders():
+            part.reconfigure(new)
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic
@@ -489,12 +388,9 @@ class Daemon:
             if wd is not None and now - last_ping >= wd and self.loop_healthy():
                 self.notifier.watchdog()
                 last_ping = now
-            state = self.machine.state
-            if extends_job(state, self.machine.ctx.ever_ready) and (
-                now - last_extend >= EXTEND_EVERY_S
-            ):
-                stopping = state is State.STOPPING
-                self.notifier.extend_timeout(EXTEND_BY_S + self.cfg.stop.drain_timeout * stopping)
+            extend = self.machine.job_extension()
+            if extend is not None and now - last_extend >= EXTEND_EVERY_S:
+                self.notifier.extend_timeout(extend)
                 self.notifier.status(self.status_line())
                 last_extend = now
             self._beat = now
@@ -508,11 +404,9 @@ class Daemon:
         return self._preparing or self.clock() - self._beat < LOOP_STALE_S
 
     def is_ready(self) -> bool:
-        if (child := self.launcher.child) is not None and child.dying:
-            return False  # a worker died: the launch's end is being reported
-        if self.group is not None:
-            return self.group.ready()
-        return self.machine.state in SERVING
+        child = self.launcher.child
+        dying = child is not None and child.dying  # a worker died: the end is being reported
+        return self.machine.ready(dying, None if self.group is None else self.group.ready())
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
@@ -520,20 +414,20 @@ class Daemon:
     def request_restart(self) -> str | None:
         refused = self.machine.refuse_restart()
         if refused is None:
-            self.emit(RestartRequested(Reason.MANUAL))
+            self.emit(ev.RestartRequested(Reason.MANUAL))
         return refused
 
     def request_drain(self) -> str | None:
         # Dispatched here, not queued: the deregistration must have begun when /drain awaits it.
         refused = self.machine.drain_refusal()
         if refused is None:
-            self.dispatch(DrainRequested())
+            self.dispatch(ev.DrainRequested())
         return refused
 
     def request_undrain(self) -> str | None:
         refused = self.machine.undrain_refusal()
         if refused is None:
-            self.dispatch(UndrainRequested())
+            self.dispatch(ev.UndrainRequested())
         return refused
 
     def status_line(self) -> str:

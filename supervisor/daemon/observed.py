@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from supervisor import __version__, gpu, log
@@ -23,6 +24,7 @@ from supervisor.core.machine import (
     State,
     Transitioned,
 )
+from supervisor.daemon.links import RouterSlot
 from supervisor.gpu import CleanReport, SweepReport, nvml
 from supervisor.gpu.nvml import Nvml
 from supervisor.metrics import Metrics
@@ -32,14 +34,23 @@ from supervisor.sglang import intent
 from supervisor.sglang.probe import ProbeResult
 
 if TYPE_CHECKING:
+    from supervisor.daemon.group import Group
+    from supervisor.daemon.quality_watch import QualityWatch
+    from supervisor.gpu.fitness_watch import Monitor
     from supervisor.incidents import Written
     from supervisor.incidents.recorder import IncidentRecorder
 
-if TYPE_CHECKING:
-    from supervisor.gpu.fitness_watch import Monitor
-
 EVENTS_KEPT = 50
 GPU_CACHE_S = 2.0
+
+
+@dataclass
+class Gpus:
+    """What the daemon's start opens for managed GPUs (gpus.manage): NVML (startup.prepare)
+    and the fitness watch (fitness_watch.start). None until then, and without gpus.manage."""
+
+    nvml: Nvml | None = None
+    monitor: Monitor | None = None
 
 
 class Observed:
@@ -50,6 +61,13 @@ class Observed:
         metrics: Metrics,
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
+        *,
+        gpus: Gpus | None = None,
+        links: RouterSlot | None = None,
+        recorder: IncidentRecorder | None = None,
+        quality: QualityWatch | None = None,
+        group: Group | None = None,
+        note: Callable[[], str] = str,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx  # read only: for the state, profile and launch times it shows
@@ -57,8 +75,7 @@ class Observed:
         self.clock = clock
         self.wall = wall
         self.log = log.get()
-        self.nvml: Nvml | None = None
-        self.monitor: Monitor | None = None  # GPU fitness, when the daemon watches it
+        self.gpus = gpus or Gpus()
         # /status.leftovers: every leftover removed before the last launch, summed over the
         # cleanings before it (a held port or busy GPU retries the cleaning, and a retry that
         # finds nothing more must not hide what the first one killed).
@@ -73,17 +90,32 @@ class Observed:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.host: dict[str, Any] = {}
         self.intent: dict[str, Any] = {"checked": False, "mismatches": []}
-        self.router: RouterLink | None = None  # set by the daemon when router.url is set
-        self.group: Any = None  # supervisor.daemon.group.Group of a coordinated multi-node replica
+        self.links = links or RouterSlot()  # the router link, when router.url is set
+        self.group = group  # the coordination of a multi-node replica
         self.reload_refused: str | None = None  # why the last valid reload was not taken
-        self.quality: Any = None  # supervisor.daemon.quality_watch.QualityWatch, set by the daemon
+        self.quality = quality  # serving quality (None in tests that build Observed alone)
         self._gpus_cache: tuple[float, list[dict[str, Any]]] = (0.0, [])
-        # Read for /status.last_load (set by the daemon; None in tests that build Observed alone).
-        self.recorder: IncidentRecorder | None = None
+        # Read for /status.last_load (None in tests that build Observed alone).
+        self.recorder = recorder
         self.downtime = Downtime()
         # A line STATUS= ends with while it says something (the prewarm's progress: warm.py).
-        self.note: Callable[[], str] = str
+        self.note = note
         metrics.set_gpu_source(self.gpu_status)
+
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    @property
+    def router(self) -> RouterLink | None:
+        return self.links.current
+
+    @property
+    def nvml(self) -> Nvml | None:
+        return self.gpus.nvml
+
+    @property
+    def monitor(self) -> Monitor | None:
+        return self.gpus.monitor
 
     def refused_reload(self, why: str | None) -> None:
         self.reload_refused = why

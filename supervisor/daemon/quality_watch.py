@@ -152,6 +152,9 @@ class QualityWatch:
         self.canaries = 0  # canaries run by this daemon (tests, bench)
         self.mismatches = 0
 
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
     # ------------------------------------------------------------------ per launch
 
     def launched(self, launch: int, spec: LaunchSpec) -> None:

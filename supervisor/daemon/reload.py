@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from supervisor import config as config_mod
@@ -23,6 +23,13 @@ from supervisor.daemon import group
 from supervisor.threads import in_thread
 
 RELOAD_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Read:
+    """The reloaded file as read, judged on the loop against the running configuration."""
+
+    config: Config | ConfigError
 
 
 def _read(path: str) -> Config:

@@ -49,7 +49,7 @@ async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
     nvml: Nvml | None = None
     if cfg.gpus.manage:
         try:
-            nvml = observed.nvml = fx.open_nvml()
+            nvml = observed.gpus.nvml = fx.open_nvml()
         except NvmlUnavailable as exc:
             raise CannotStart(
                 f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}"

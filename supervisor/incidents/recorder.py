@@ -70,6 +70,7 @@ class IncidentRecorder:
         *,
         capture: Callable[..., Any] = stacks.capture,
         wall: Callable[[], float] = time.time,
+        load_extras: Callable[[], Callable[[], dict[str, Any]] | None] = lambda: None,
     ) -> None:
         self.cfg = cfg
         self._capture = capture
@@ -79,7 +80,7 @@ class IncidentRecorder:
         self.last_load: dict[str, Any] | None = None
         self.last_incident: Path | None = None
         # The report of what was prepared for the launch being made (Warm.current).
-        self.load_extras: Callable[[], Callable[[], dict[str, Any]] | None] = lambda: None
+        self.load_extras = load_extras
 
     def reconfigure(self, cfg: Config) -> None:
         """After a reload: the next incidents follow the new incidents section."""

@@ -77,6 +77,9 @@ class Warm:
 
     # ------------------------------------------------------------ fed by the daemon
 
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
     def transitioned(self, t: Transitioned, profile: str) -> None:
         if t.new in BEGINS and t.old is not t.new:
             r = self.round

@@ -165,7 +165,7 @@ async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Pat
     d = Daemon(cfg, fx)
     assert d.router is not None and d.router.client is made[0]
     without = config_mod.load(str(path))
-    d._take(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
+    d.reconfigure(replace(without, router=replace(without.router, url=None)), Verdict.UNCHANGED)
     assert d.router is None and d.observed.router is None
     # /status.router keeps its shape without a router: url null, nothing registered.
     shown = d.observed.status_document()["router"]
@@ -176,7 +176,7 @@ async def test_the_router_links_http_client_comes_from_the_effects(tmp_path: Pat
         "worker_id": None,
     }
     assert shown["last_error"] is None
-    d._take(cfg, Verdict.UNCHANGED)
+    d.reconfigure(cfg, Verdict.UNCHANGED)
     assert d.router is not None and d.router.client is made[1] and len(made) == 2
     for link in (d.launcher.router, d.router):
         await router.close_link(link)
@@ -215,3 +215,20 @@ async def test_a_repeated_self_transition_is_one_event_counting_the_repeats(
         ("host_not_ready", 1),
     ]
     await daemon.fx.http.aclose()
+
+
+async def test_a_taken_reload_reaches_every_part_that_reads_the_configuration(
+    daemon: Daemon,
+) -> None:
+    new = config_mod.load(daemon.cfg.path)
+    assert new is not daemon.cfg
+    parts = daemon.parts
+    scanner = parts.pump.scanner
+    daemon.reconfigure(new, Verdict.CHANGED)
+    readers = [parts.machine, parts.observed, parts.launcher, parts.warm, parts.recorder]
+    assert daemon.cfg is new and all(p.cfg is new for p in [*readers, parts.quality])
+    assert parts.pump.scanner is not scanner  # the new fatal patterns and tail length
+    # The parts read one another as wired: nothing is assigned onto them afterwards.
+    assert parts.observed.recorder is parts.recorder and parts.launcher.recorder is parts.recorder
+    assert parts.observed.quality is parts.quality and parts.observed.links is parts.links
+    assert parts.launcher.links is parts.links and parts.recorder.load_extras == parts.warm.current
