@@ -19,13 +19,14 @@ import yaml
 
 from supervisor.config.checks import _cross_checks
 from supervisor.config.checks import warnings as warnings
-from supervisor.config.reader import _marks, _opt_string, _positive_duration, _Reader, _yaml_issue
-from supervisor.config.reader import is_loopback as is_loopback
-from supervisor.config.reader import is_loopback_url as is_loopback_url
-from supervisor.config.reader import key_file_problem as key_file_problem
-from supervisor.config.reader import parse_duration as parse_duration
-from supervisor.config.reader import parse_listen as parse_listen
-from supervisor.config.reader import parse_size as parse_size
+from supervisor.config.convert import _opt_string, _positive_duration
+from supervisor.config.convert import is_loopback as is_loopback
+from supervisor.config.convert import is_loopback_url as is_loopback_url
+from supervisor.config.convert import key_file_problem as key_file_problem
+from supervisor.config.convert import parse_duration as parse_duration
+from supervisor.config.convert import parse_listen as parse_listen
+from supervisor.config.convert import parse_size as parse_size
+from supervisor.config.reader import _marks, _Reader, _yaml_issue
 from supervisor.config.sections import (
     _admin,
     _gpus,

@@ -5,7 +5,8 @@ prints (`warnings`).
 
 from __future__ import annotations
 
-from supervisor.config.reader import _Reader, is_loopback, is_loopback_url
+from supervisor.config.convert import is_loopback, is_loopback_url
+from supervisor.config.reader import _Reader
 from supervisor.config.sections import tp_size
 from supervisor.config.types import PRIMARY, TP_ARGS, Config
 

@@ -6,17 +6,17 @@ section's frozen dataclass (`config_types`), with the section's known keys and d
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
 from collections.abc import Mapping
 
-from supervisor.config.reader import (
+from supervisor.config.convert import (
     _bool,
     _choice,
+    _devices,
     _env_filled,
-    _expand_env,
+    _floor,
     _host,
     _http_url,
     _int_in,
@@ -28,15 +28,17 @@ from supervisor.config.reader import (
     _opt_regex,
     _opt_string,
     _positive_duration,
-    _Reader,
+    _prewarm,
     _regex_list,
     _string,
     _string_list,
+    expand_env,
     is_loopback_url,
     parse_duration,
     parse_listen,
     parse_size,
 )
+from supervisor.config.reader import _Reader
 from supervisor.config.types import (
     CANARY_POLICIES,
     DEFAULT_CANARY_PROMPT,
@@ -97,15 +99,26 @@ def _args(r: _Reader, raw: object, path: str) -> dict[str, ArgValue]:
                 # `--name` with no values is an argparse error for nargs="+" flags.
                 r.error(sub, "is an empty list; write null to leave the flag out")
                 continue
-            out[key] = tuple(_expand_env(r, sub, v) for v in value)
+            out[key] = tuple(_expanded(r, sub, v) for v in value)
         elif isinstance(value, str):
-            out[key] = _expand_env(r, sub, value)
+            out[key] = _expanded(r, sub, value)
         elif value is None or isinstance(value, int | float | bool):
             out[key] = value
         else:
             # A date, a mapping, !!binary ...: str() of it is not what SGLang expects.
             r.error(sub, f"expected a string, number, boolean, list or null; got {_kind(value)}")
     return out
+
+
+def _expanded(r: _Reader, path: str, value: str | int | float) -> str | int | float:
+    """A string of SGLang's args with `${NAME}` filled in; every variable unset or empty is an
+    issue at `path`."""
+    if not isinstance(value, str):
+        return value
+    filled, problems = expand_env(value)
+    for problem in problems:
+        r.error(path, problem)
+    return filled
 
 
 def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str | None]:
@@ -237,25 +250,6 @@ def _restart(r: _Reader, raw: object) -> RestartConfig:
     )
 
 
-def _devices(value: object) -> str | tuple[int | str, ...]:
-    if value == "all":
-        return "all"
-    if isinstance(value, list) and value:
-        out: list[int | str] = []
-        for v in value:
-            index = isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            if index or (isinstance(v, str) and v.startswith(("GPU-", "MIG-"))):
-                out.append(v)
-            else:
-                raise ValueError(
-                    f"device {v!r} is neither an index (0, 1, ...) nor a UUID (GPU-...)"
-                )
-        if len(set(out)) != len(out):
-            raise ValueError("the device list names a GPU twice")
-        return tuple(out)
-    raise ValueError(f"expected 'all' or a non-empty list of indexes/UUIDs, got {_kind(value)}")
-
-
 def _gpus(r: _Reader, raw: object) -> GpusConfig:
     p = "gpus"
     s = r.section(
@@ -335,11 +329,6 @@ def default_cache_dir(state_dir: str) -> str:
     return env.split(":")[0] if env else os.path.join(state_dir, "cache")
 
 
-def _prewarm(value: object) -> str:
-    # YAML 1.1 reads a bare `off` as false.
-    return "off" if value is False else _choice("auto", "off")(value)
-
-
 def _warm(r: _Reader, raw: object, state_dir: str) -> WarmConfig:
     p = "warm"
     s = r.section(raw, p, ("cache_dir", "prewarm", "prewarm_readers", "prewarm_headroom"))
@@ -381,14 +370,6 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
         api_key_file=r.get(s, p, "api_key_file", _opt_readable_file, None),
         drain_timeout=r.get(s, p, "drain_timeout", parse_duration, 30.0),
     )
-
-
-def _floor(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"expected a number, got {_kind(value)}")
-    if not 1.0 <= value <= 64.0:
-        raise ValueError(f"{value} is out of range 1-64 (a mean accept length, in tokens)")
-    return float(value)
 
 
 def _canary_prompt(value: object) -> str:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from supervisor.config.errors import ConfigError as ConfigError
+from supervisor.config.errors import ConfigIssue as ConfigIssue
+
 PRIMARY = "primary"
 
 ArgScalar = str | int | float | bool | None
@@ -293,32 +296,3 @@ DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
     r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError",
     r"Initialization failed\. warmup error",
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    path: str
-    line: int | None
-    message: str
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; carries every issue found."""
-
-    def __init__(self, file: str, issues: list[ConfigIssue]) -> None:
-        self.file = file
-        self.issues = issues
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        lines = []
-        for issue in self.issues:
-            where = f"{self.file}:{issue.line}" if issue.line else self.file
-            key = f" {issue.path}:" if issue.path else ""
-            lines.append(f"{where}:{key} {issue.message}")
-        return "\n".join(lines)
