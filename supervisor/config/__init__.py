@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from supervisor.config.checks import _cross_checks
+from supervisor.config import settings
+from supervisor.config.checks import _cross_checks, _group_checks
 from supervisor.config.checks import warnings as warnings
-from supervisor.config.convert import _opt_string, _positive_duration
 from supervisor.config.convert import is_loopback as is_loopback
 from supervisor.config.convert import is_loopback_url as is_loopback_url
 from supervisor.config.convert import key_file_problem as key_file_problem
@@ -35,12 +35,15 @@ from supervisor.config.sections import (
     _liveness,
     _logging,
     _logs,
+    _open,
     _profiles,
     _quality,
     _readiness,
     _restart,
     _router,
     _sglang,
+    _stop,
+    _values,
     _warm,
 )
 from supervisor.config.sections import default_cache_dir as default_cache_dir
@@ -85,24 +88,7 @@ DEFAULT_CONFIG_PATH = "/etc/kimi-serve/kimi-serve.yaml"
 CONFIG_ENV = "KIMI_SERVE_CONFIG"
 
 
-TOP_KEYS = (
-    "sglang",
-    "profiles",
-    "readiness",
-    "liveness",
-    "restart",
-    "stop",
-    "gpus",
-    "admin",
-    "state_dir",
-    "logs",
-    "logging",
-    "incidents",
-    "router",
-    "group",
-    "warm",
-    "quality",
-)
+TOP_KEYS = settings.known("")
 
 
 def parse(text: str, file: str) -> Config:
@@ -120,11 +106,10 @@ def parse(text: str, file: str) -> Config:
     r.issues.extend(twice)
     if raw is None:
         raise ConfigError(file, [ConfigIssue("", None, "the file is empty")])
-    top = r.section(raw, "", TOP_KEYS)
+    top = _open(r, raw, "")
     if not isinstance(raw, dict):
         raise ConfigError(file, r.issues)
-    stop_s = r.section(top.get("stop"), "stop", ("drain_timeout",))
-    state_dir = r.get(top, "", "state_dir", _opt_string, None) or default_state_dir()
+    state_dir = _values(r, top, "")["state_dir"] or default_state_dir()
     sglang = _sglang(r, top.get("sglang"))
     cfg = Config(
         path=file,
@@ -133,7 +118,7 @@ def parse(text: str, file: str) -> Config:
         readiness=_readiness(r, top.get("readiness")),
         liveness=_liveness(r, top.get("liveness")),
         restart=_restart(r, top.get("restart")),
-        stop=StopConfig(r.get(stop_s, "stop", "drain_timeout", _positive_duration, 60.0)),
+        stop=_stop(r, top.get("stop")),
         gpus=_gpus(r, top.get("gpus")),
         admin=_admin(r, top.get("admin"), state_dir),
         state_dir=state_dir,
@@ -146,6 +131,7 @@ def parse(text: str, file: str) -> Config:
         key_lines=marks,
     )
     cfg = replace(cfg, group=_group(r, top.get("group"), cfg))
+    _group_checks(r, cfg.group)
     restart_raw = top.get("restart")
     if (
         not (isinstance(restart_raw, dict) and "fallback_profile" in restart_raw)

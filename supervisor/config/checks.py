@@ -8,7 +8,7 @@ from __future__ import annotations
 from supervisor.config.convert import is_loopback, is_loopback_url
 from supervisor.config.reader import _Reader
 from supervisor.config.sections import tp_size
-from supervisor.config.types import PRIMARY, TP_ARGS, Config
+from supervisor.config.types import PRIMARY, TP_ARGS, Config, GroupConfig
 
 
 def warnings(cfg: Config) -> list[str]:
@@ -35,6 +35,20 @@ def warnings(cfg: Config) -> list[str]:
                 "running and queued requests and ends without waiting for them"
             )
     return out
+
+
+def _group_checks(r: _Reader, g: GroupConfig) -> None:
+    """The multi-node role (from sglang.args) against group.peers and group.leader."""
+    if g.node_rank >= g.nnodes:
+        r.error("sglang.args", f"node-rank {g.node_rank} is not below nnodes {g.nnodes}")
+    if g.role == "single" and g.peers:
+        r.error("group.peers", "set, but sglang.args.nnodes is not above 1")
+    if g.role == "single" and g.leader:
+        r.error("group.leader", "set, but sglang.args.nnodes is not above 1")
+    if g.role == "follower" and len(g.peers) > 1:
+        r.error("group.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
+    if g.role == "leader" and g.peers and len(g.peers) != g.nnodes - 1:
+        r.error("group.peers", f"the leader lists its {g.nnodes - 1} followers; got {len(g.peers)}")
 
 
 def _affects(issue: str, key: str) -> bool:
