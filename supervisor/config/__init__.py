@@ -3,10 +3,12 @@
 Every problem is collected (not just the first), and each names the file, the key path and the
 line, so an operator fixes a broken config in one pass. Nothing after `load()` reads raw dicts.
 
-The pieces, each importable from here: the typed result and its errors (`config_types`), the
-YAML reader and value converters (`config_reader`), one parser per section (`config_sections`),
-the checks across keys and the warnings (`config_checks`). This module reads the file and puts
-them together (`load`, `parse`).
+Every key is declared once, in `settings` (converter, default, doc); the rest derives from it.
+The pieces: the declarations (`settings`), the errors (`errors`), the value converters and
+`${VAR}` expansion (`convert`), the YAML reader (`reader`), the typed result (`types`), one
+parser per section (`sections`) and the checks across keys and the warnings (`checks`); what
+other modules use is importable from here. This module reads the file and puts them together
+(`load`, `parse`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 from supervisor.config import settings
 from supervisor.config.checks import _cross_checks, _group_checks
+from supervisor.config.checks import launch_warnings as launch_warnings
 from supervisor.config.checks import warnings as warnings
 from supervisor.config.convert import is_loopback as is_loopback
 from supervisor.config.convert import is_loopback_url as is_loopback_url
@@ -83,6 +86,8 @@ from supervisor.config.types import RouterConfig as RouterConfig
 from supervisor.config.types import SGLangConfig as SGLangConfig
 from supervisor.config.types import StopConfig as StopConfig
 from supervisor.config.types import WarmConfig as WarmConfig
+from supervisor.config.types import merged_args as merged_args
+from supervisor.config.types import merged_env as merged_env
 
 DEFAULT_CONFIG_PATH = "/etc/kimi-serve/kimi-serve.yaml"
 CONFIG_ENV = "KIMI_SERVE_CONFIG"

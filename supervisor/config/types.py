@@ -275,3 +275,22 @@ class Config:
     @property
     def profile_names(self) -> tuple[str, ...]:
         return (PRIMARY, *self.profiles)
+
+
+def merged_args(cfg: Config, profile: str) -> dict[str, ArgValue]:
+    """SGLang's flags for `profile`: sglang.args with the profile's overlay on top."""
+    args = dict(cfg.sglang.args)
+    if profile != PRIMARY:
+        for name, value in cfg.profile(profile).args.items():
+            # A null in the overlay removes the flag; keeping the key with None keeps the
+            # command line identical to "never set" while the position stays stable.
+            args[name] = value
+    return args
+
+
+def merged_env(cfg: Config, profile: str) -> dict[str, str]:
+    """SGLang's extra environment for `profile` (a null in the overlay removes a variable)."""
+    env: dict[str, str | None] = dict(cfg.sglang.env)
+    if profile != PRIMARY:
+        env.update(cfg.profile(profile).env)
+    return {k: v for k, v in env.items() if v is not None}
