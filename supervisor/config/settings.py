@@ -125,9 +125,7 @@ def _yaml(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else _yaml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{}" if not value else str(value)
-    return str(value)
+    return str(value)  # a number, a string, `{}`
 
 
 S = Setting
