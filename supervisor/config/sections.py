@@ -67,6 +67,11 @@ def _values(r: _Reader, s: dict[str, Any], section: str) -> dict[str, Any]:
     return {st.name: _take(r, s, st.key) for st in settings.leaves(section)}
 
 
+def _read(r: _Reader, raw: object, section: str) -> dict[str, Any]:
+    """A section without subsections: its keys checked, every value by name."""
+    return _values(r, _open(r, raw, section), section)
+
+
 # --------------------------------------------------------------------------------------------
 # The sections
 # --------------------------------------------------------------------------------------------
@@ -180,33 +185,30 @@ def _profiles(r: _Reader, raw: object) -> dict[str, Profile]:
 
 def _readiness(r: _Reader, raw: object) -> ReadinessConfig:
     s = _open(r, raw, "readiness")
-    probe = ProbeConfig(
-        **_values(r, _open(r, s.get("probe"), "readiness.probe"), "readiness.probe")
-    )
+    probe = ProbeConfig(**_read(r, s.get("probe"), "readiness.probe"))
     return ReadinessConfig(**_values(r, s, "readiness"), probe=probe)
 
 
 def _liveness(r: _Reader, raw: object) -> LivenessConfig:
-    return LivenessConfig(**_values(r, _open(r, raw, "liveness"), "liveness"))
+    return LivenessConfig(**_read(r, raw, "liveness"))
 
 
 def _restart(r: _Reader, raw: object) -> RestartConfig:
     s = _open(r, raw, "restart")
-    cs = _open(r, s.get("crash_loop"), "restart.crash_loop")
-    crash_loop = CrashLoopConfig(**_values(r, cs, "restart.crash_loop"))
+    crash_loop = CrashLoopConfig(**_read(r, s.get("crash_loop"), "restart.crash_loop"))
     return RestartConfig(**_values(r, s, "restart"), crash_loop=crash_loop)
 
 
 def _stop(r: _Reader, raw: object) -> StopConfig:
-    return StopConfig(**_values(r, _open(r, raw, "stop"), "stop"))
+    return StopConfig(**_read(r, raw, "stop"))
 
 
 def _gpus(r: _Reader, raw: object) -> GpusConfig:
-    return GpusConfig(**_values(r, _open(r, raw, "gpus"), "gpus"))
+    return GpusConfig(**_read(r, raw, "gpus"))
 
 
 def _admin(r: _Reader, raw: object, state_dir: str) -> AdminConfig:
-    v = _values(r, _open(r, raw, "admin"), "admin")
+    v = _read(r, raw, "admin")
     host, port = v.pop("listen") or settings.default("admin.listen")
     return AdminConfig(
         host=host,
@@ -230,11 +232,11 @@ def default_state_dir() -> str:
 
 
 def _logs(r: _Reader, raw: object) -> LogsConfig:
-    return LogsConfig(**_values(r, _open(r, raw, "logs"), "logs"))
+    return LogsConfig(**_read(r, raw, "logs"))
 
 
 def _logging(r: _Reader, raw: object) -> LoggingConfig:
-    return LoggingConfig(**_values(r, _open(r, raw, "logging"), "logging"))
+    return LoggingConfig(**_read(r, raw, "logging"))
 
 
 def default_cache_dir(state_dir: str) -> str:
@@ -244,17 +246,17 @@ def default_cache_dir(state_dir: str) -> str:
 
 
 def _warm(r: _Reader, raw: object, state_dir: str) -> WarmConfig:
-    v = _values(r, _open(r, raw, "warm"), "warm")
+    v = _read(r, raw, "warm")
     return WarmConfig(cache_dir=v.pop("cache_dir") or default_cache_dir(state_dir), **v)
 
 
 def _incidents(r: _Reader, raw: object, state_dir: str) -> IncidentsConfig:
-    v = _values(r, _open(r, raw, "incidents"), "incidents")
+    v = _read(r, raw, "incidents")
     return IncidentsConfig(dir=v.pop("dir") or os.path.join(state_dir, "incidents"), **v)
 
 
 def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
-    v = _values(r, _open(r, raw, "router"), "router")
+    v = _read(r, raw, "router")
     url, worker_url = v["url"], v.pop("worker_url")
     if worker_url is None and sglang.host and sglang.port:
         host = sglang.host
@@ -268,8 +270,7 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
 
 def _quality(r: _Reader, raw: object) -> QualityConfig:
     s = _open(r, raw, "quality")
-    cs = _open(r, s.get("canary"), "quality.canary")
-    canary = CanaryConfig(**_values(r, cs, "quality.canary"))
+    canary = CanaryConfig(**_read(r, s.get("canary"), "quality.canary"))
     return QualityConfig(canary=canary, **_values(r, s, "quality"))
 
 
@@ -292,7 +293,7 @@ def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
     """`group:` plus the role read from SGLang's own multi-node flags (what a combination of
     them may not be: `checks._group_checks`)."""
     p = "group"
-    v = _values(r, _open(r, raw, p), p)
+    v = _read(r, raw, p)
     args = cfg.sglang.args
     nnodes = _arg_int(args, "nnodes") or 1
     rank = _arg_int(args, "node-rank", "node_rank") or 0
