@@ -3,10 +3,12 @@
 Every problem is collected (not just the first), and each names the file, the key path and the
 line, so an operator fixes a broken config in one pass. Nothing after `load()` reads raw dicts.
 
-The pieces, each importable from here: the typed result and its errors (`config_types`), the
-YAML reader and value converters (`config_reader`), one parser per section (`config_sections`),
-the checks across keys and the warnings (`config_checks`). This module reads the file and puts
-them together (`load`, `parse`).
+Every key is declared once, in `settings` (converter, default, doc); the rest derives from it.
+The pieces: the declarations (`settings`), the errors (`errors`), the value converters and
+`${VAR}` expansion (`convert`), the YAML reader (`reader`), the typed result (`types`), one
+parser per section (`sections`) and the checks across keys and the warnings (`checks`); what
+other modules use is importable from here. This module reads the file and puts them together
+(`load`, `parse`).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from pathlib import Path
 
 import yaml
 
-from supervisor.config.checks import _cross_checks
+from supervisor.config import settings
+from supervisor.config.checks import _cross_checks, _group_checks
+from supervisor.config.checks import launch_warnings as launch_warnings
 from supervisor.config.checks import warnings as warnings
-from supervisor.config.reader import _marks, _opt_string, _positive_duration, _Reader, _yaml_issue
-from supervisor.config.reader import is_loopback as is_loopback
-from supervisor.config.reader import is_loopback_url as is_loopback_url
-from supervisor.config.reader import key_file_problem as key_file_problem
-from supervisor.config.reader import parse_duration as parse_duration
-from supervisor.config.reader import parse_listen as parse_listen
-from supervisor.config.reader import parse_size as parse_size
+from supervisor.config.convert import is_loopback as is_loopback
+from supervisor.config.convert import is_loopback_url as is_loopback_url
+from supervisor.config.convert import key_file_problem as key_file_problem
+from supervisor.config.convert import parse_duration as parse_duration
+from supervisor.config.convert import parse_listen as parse_listen
+from supervisor.config.convert import parse_size as parse_size
+from supervisor.config.reader import _marks, _Reader, _yaml_issue
 from supervisor.config.sections import (
     _admin,
     _gpus,
@@ -34,12 +38,15 @@ from supervisor.config.sections import (
     _liveness,
     _logging,
     _logs,
+    _open,
     _profiles,
     _quality,
     _readiness,
     _restart,
     _router,
     _sglang,
+    _stop,
+    _values,
     _warm,
 )
 from supervisor.config.sections import default_cache_dir as default_cache_dir
@@ -79,29 +86,14 @@ from supervisor.config.types import RouterConfig as RouterConfig
 from supervisor.config.types import SGLangConfig as SGLangConfig
 from supervisor.config.types import StopConfig as StopConfig
 from supervisor.config.types import WarmConfig as WarmConfig
+from supervisor.config.types import merged_args as merged_args
+from supervisor.config.types import merged_env as merged_env
 
 DEFAULT_CONFIG_PATH = "/etc/kimi-serve/kimi-serve.yaml"
 CONFIG_ENV = "KIMI_SERVE_CONFIG"
 
 
-TOP_KEYS = (
-    "sglang",
-    "profiles",
-    "readiness",
-    "liveness",
-    "restart",
-    "stop",
-    "gpus",
-    "admin",
-    "state_dir",
-    "logs",
-    "logging",
-    "incidents",
-    "router",
-    "group",
-    "warm",
-    "quality",
-)
+TOP_KEYS = settings.known("")
 
 
 def parse(text: str, file: str) -> Config:
@@ -119,11 +111,10 @@ def parse(text: str, file: str) -> Config:
     r.issues.extend(twice)
     if raw is None:
         raise ConfigError(file, [ConfigIssue("", None, "the file is empty")])
-    top = r.section(raw, "", TOP_KEYS)
+    top = _open(r, raw, "")
     if not isinstance(raw, dict):
         raise ConfigError(file, r.issues)
-    stop_s = r.section(top.get("stop"), "stop", ("drain_timeout",))
-    state_dir = r.get(top, "", "state_dir", _opt_string, None) or default_state_dir()
+    state_dir = _values(r, top, "")["state_dir"] or default_state_dir()
     sglang = _sglang(r, top.get("sglang"))
     cfg = Config(
         path=file,
@@ -132,7 +123,7 @@ def parse(text: str, file: str) -> Config:
         readiness=_readiness(r, top.get("readiness")),
         liveness=_liveness(r, top.get("liveness")),
         restart=_restart(r, top.get("restart")),
-        stop=StopConfig(r.get(stop_s, "stop", "drain_timeout", _positive_duration, 60.0)),
+        stop=_stop(r, top.get("stop")),
         gpus=_gpus(r, top.get("gpus")),
         admin=_admin(r, top.get("admin"), state_dir),
         state_dir=state_dir,
@@ -145,6 +136,7 @@ def parse(text: str, file: str) -> Config:
         key_lines=marks,
     )
     cfg = replace(cfg, group=_group(r, top.get("group"), cfg))
+    _group_checks(r, cfg.group)
     restart_raw = top.get("restart")
     if (
         not (isinstance(restart_raw, dict) and "fallback_profile" in restart_raw)

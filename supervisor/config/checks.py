@@ -1,13 +1,26 @@
 """Configuration, checks across keys: the errors a combination of valid keys makes
-(`_cross_checks`, run by `supervisor.config.parse`) and the likely mistakes that `check` only
-prints (`warnings`).
+(`_group_checks` and `_cross_checks`, run by `supervisor.config.parse`), and the likely mistakes
+of a valid config that are only printed: `warnings` (by `check`) and `launch_warnings` (by
+`check` and at every daemon start; re-exported by supervisor/sglang/argv.py).
+
+The token and key files' own checks (`cli._token_file_problem`) are not checks of the keys:
+they read the files (supervisor/secret_files.py) just before a start, so they run there.
 """
 
 from __future__ import annotations
 
-from supervisor.config.reader import _Reader, is_loopback, is_loopback_url
+from supervisor import redact
+from supervisor.config.convert import is_loopback, is_loopback_url
+from supervisor.config.reader import _Reader
 from supervisor.config.sections import tp_size
-from supervisor.config.types import PRIMARY, TP_ARGS, Config
+from supervisor.config.types import (
+    PRIMARY,
+    TP_ARGS,
+    Config,
+    GroupConfig,
+    merged_args,
+    merged_env,
+)
 
 
 def warnings(cfg: Config) -> list[str]:
@@ -34,6 +47,49 @@ def warnings(cfg: Config) -> list[str]:
                 "running and queued requests and ends without waiting for them"
             )
     return out
+
+
+# setproctitle, which SGLang's schedulers and detokenizer call, reuses the memory behind
+# /proc/PID/environ unless this is set: their environment (our owner marker with it) then reads
+# as empty (docs/sglang.md). Ownership does not depend on it (launch record, session), but
+# `gpu-clean` and an operator's `ps e` read better with it.
+SPT_NOENV = "SPT_NOENV"
+
+
+def launch_warnings(cfg: Config) -> list[str]:
+    """Things worth fixing in a valid config: one line each, naming the key."""
+    out = []
+    for profile in cfg.profile_names:
+        for name in merged_args(cfg, profile):
+            if redact.is_secret_flag(name):
+                out.append(
+                    f"{cfg.path}: sglang.args {name} (profile {profile}) is on SGLang's command "
+                    "line, which every local user's `ps` shows: put an API key in "
+                    "sglang.api_key_file instead"
+                )
+    for profile in cfg.profile_names:
+        if merged_env(cfg, profile).get(SPT_NOENV) != "1":
+            where = "sglang.env" if profile == PRIMARY else f"sglang.env / profiles.{profile}.env"
+            out.append(
+                f'{cfg.path}: {where} has no {SPT_NOENV}: "1" (profile {profile}): '
+                "setproctitle in SGLang's schedulers and detokenizer wipes their environment, "
+                "so the owner marker is unreadable there"
+            )
+    return out
+
+
+def _group_checks(r: _Reader, g: GroupConfig) -> None:
+    """The multi-node role (from sglang.args) against group.peers and group.leader."""
+    if g.node_rank >= g.nnodes:
+        r.error("sglang.args", f"node-rank {g.node_rank} is not below nnodes {g.nnodes}")
+    if g.role == "single" and g.peers:
+        r.error("group.peers", "set, but sglang.args.nnodes is not above 1")
+    if g.role == "single" and g.leader:
+        r.error("group.leader", "set, but sglang.args.nnodes is not above 1")
+    if g.role == "follower" and len(g.peers) > 1:
+        r.error("group.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
+    if g.role == "leader" and g.peers and len(g.peers) != g.nnodes - 1:
+        r.error("group.peers", f"the leader lists its {g.nnodes - 1} followers; got {len(g.peers)}")
 
 
 def _affects(issue: str, key: str) -> bool:

@@ -1,52 +1,26 @@
-"""Configuration, one parser per section: raw YAML (through `config_reader._Reader`) into that
-section's frozen dataclass (`config_types`), with the section's known keys and defaults.
+"""Configuration, one parser per section: raw YAML (through `reader._Reader`) into that
+section's frozen dataclass (`types`). The keys a section knows, each value's converter and
+default come from the declarations in `settings`; what is here is what a table cannot say:
+maps parsed entry by entry (SGLang's args, env, profiles) and defaults resolved from other keys
+or the environment.
 
-`supervisor.config.parse` calls them in order; checks across sections are in `config_checks`.
+`supervisor.config.parse` calls them in order; checks across keys are in `checks`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
 from collections.abc import Mapping
+from typing import Any
 
-from supervisor.config.reader import (
-    _bool,
-    _choice,
-    _env_filled,
-    _expand_env,
-    _host,
-    _http_url,
-    _int_in,
-    _kind,
-    _opt_absolute_path,
-    _opt_http_url,
-    _opt_key_file,
-    _opt_readable_file,
-    _opt_regex,
-    _opt_string,
-    _positive_duration,
-    _Reader,
-    _regex_list,
-    _string,
-    _string_list,
-    is_loopback_url,
-    parse_duration,
-    parse_listen,
-    parse_size,
-)
+from supervisor.config import settings
+from supervisor.config.convert import _kind, expand_env, is_loopback_url
+from supervisor.config.reader import _MISSING, _Reader
 from supervisor.config.types import (
-    CANARY_POLICIES,
-    DEFAULT_CANARY_PROMPT,
-    DEFAULT_FATAL_PATTERNS,
-    INCIDENTS_MAX_BYTES,
-    INCIDENTS_MIN_FREE,
     PRIMARY,
     RESERVED_ARGS,
-    RESTART_MODES,
-    SPEC_COLLAPSE_ACTIONS,
     TP_ARGS,
     AdminConfig,
     ArgValue,
@@ -66,8 +40,41 @@ from supervisor.config.types import (
     RestartConfig,
     RouterConfig,
     SGLangConfig,
+    StopConfig,
     WarmConfig,
 )
+
+# --------------------------------------------------------------------------------------------
+# Reading by the declarations
+# --------------------------------------------------------------------------------------------
+
+
+def _open(r: _Reader, raw: object, path: str, declared: str | None = None) -> dict[str, Any]:
+    """The mapping at `path`, its keys checked against those declared for it."""
+    return r.section(raw, path, settings.known(path if declared is None else declared))
+
+
+def _take(r: _Reader, s: dict[str, Any], key: str) -> Any:
+    """The value of the declared `key` in its section's mapping `s`: converted, or its default;
+    a value that does not convert is an issue (and None)."""
+    st = settings.setting(key)
+    assert st.conv is not None, f"{key} is parsed by its section"
+    return r.get(s, st.section, st.name, st.conv, _MISSING if st.required else st.value)
+
+
+def _values(r: _Reader, s: dict[str, Any], section: str) -> dict[str, Any]:
+    """Every declared key directly in `section` (not its subsections), by name."""
+    return {st.name: _take(r, s, st.key) for st in settings.leaves(section)}
+
+
+def _read(r: _Reader, raw: object, section: str) -> dict[str, Any]:
+    """A section without subsections: its keys checked, every value by name."""
+    return _values(r, _open(r, raw, section), section)
+
+
+# --------------------------------------------------------------------------------------------
+# The sections
+# --------------------------------------------------------------------------------------------
 
 
 def _args(r: _Reader, raw: object, path: str) -> dict[str, ArgValue]:
@@ -97,15 +104,26 @@ def _args(r: _Reader, raw: object, path: str) -> dict[str, ArgValue]:
                 # `--name` with no values is an argparse error for nargs="+" flags.
                 r.error(sub, "is an empty list; write null to leave the flag out")
                 continue
-            out[key] = tuple(_expand_env(r, sub, v) for v in value)
+            out[key] = tuple(_expanded(r, sub, v) for v in value)
         elif isinstance(value, str):
-            out[key] = _expand_env(r, sub, value)
+            out[key] = _expanded(r, sub, value)
         elif value is None or isinstance(value, int | float | bool):
             out[key] = value
         else:
             # A date, a mapping, !!binary ...: str() of it is not what SGLang expects.
             r.error(sub, f"expected a string, number, boolean, list or null; got {_kind(value)}")
     return out
+
+
+def _expanded(r: _Reader, path: str, value: str | int | float) -> str | int | float:
+    """A string of SGLang's args with `${NAME}` filled in; every variable unset or empty is an
+    issue at `path`."""
+    if not isinstance(value, str):
+        return value
+    filled, problems = expand_env(value)
+    for problem in problems:
+        r.error(path, problem)
+    return filled
 
 
 def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str | None]:
@@ -130,27 +148,14 @@ def _env(r: _Reader, raw: object, path: str, allow_null: bool) -> dict[str, str 
 
 def _sglang(r: _Reader, raw: object) -> SGLangConfig:
     p = "sglang"
-    s = r.section(
-        raw,
-        p,
-        (
-            *("python", "module", "model_path", "host", "port", "args", "env", "workdir"),
-            "api_key_file",
-        ),
-    )
+    s = _open(r, raw, p)
     if raw is None:
         r.error(p, "is required but missing (at least sglang.model_path)")
     env = _env(r, s.get("env"), f"{p}.env", allow_null=False)
     return SGLangConfig(
-        python=r.get(s, p, "python", _string, "/opt/sglang/venv/bin/python"),
-        module=r.get(s, p, "module", _string, "sglang.launch_server"),
-        model_path=r.get(s, p, "model_path", _string),
-        host=r.get(s, p, "host", _host, "127.0.0.1"),
-        port=r.get(s, p, "port", _int_in(1, 65535), 30000),
+        **_values(r, s, p),
         args=_args(r, s.get("args"), f"{p}.args"),
         env={k: v for k, v in env.items() if v is not None},
-        workdir=r.get(s, p, "workdir", _opt_string, None),
-        api_key_file=r.get(s, p, "api_key_file", _opt_key_file, None),
     )
 
 
@@ -169,7 +174,7 @@ def _profiles(r: _Reader, raw: object) -> dict[str, Profile]:
         if name == PRIMARY:
             r.error(p, "'primary' is the base sglang section itself; pick another profile name")
             continue
-        s = r.section(body, p, ("args", "env"))
+        s = _open(r, body, p, "profiles.NAME")
         out[name] = Profile(
             name=name,
             args=_args(r, s.get("args"), f"{p}.args"),
@@ -179,122 +184,37 @@ def _profiles(r: _Reader, raw: object) -> dict[str, Profile]:
 
 
 def _readiness(r: _Reader, raw: object) -> ReadinessConfig:
-    p = "readiness"
-    s = r.section(raw, p, ("load_timeout", "probe"))
-    pp = f"{p}.probe"
-    ps = r.section(
-        s.get("probe"), pp, ("endpoint", "prompt", "max_tokens", "timeout", "expect_regex")
-    )
-    probe = ProbeConfig(
-        endpoint=r.get(ps, pp, "endpoint", _choice("generate", "chat"), "generate"),
-        prompt=r.get(ps, pp, "prompt", _string, "Say hello in one word"),
-        # At least 2 tokens: one token is what /health checks and cannot see the decode loop.
-        max_tokens=r.get(ps, pp, "max_tokens", _int_in(2, 4096), 8),
-        timeout=r.get(ps, pp, "timeout", _positive_duration, 30.0),
-        expect_regex=r.get(ps, pp, "expect_regex", _opt_regex, None),
-    )
-    return ReadinessConfig(
-        load_timeout=r.get(s, p, "load_timeout", _positive_duration, 1800.0), probe=probe
-    )
+    s = _open(r, raw, "readiness")
+    probe = ProbeConfig(**_read(r, s.get("probe"), "readiness.probe"))
+    return ReadinessConfig(**_values(r, s, "readiness"), probe=probe)
 
 
 def _liveness(r: _Reader, raw: object) -> LivenessConfig:
-    p = "liveness"
-    s = r.section(raw, p, ("interval", "timeout", "failure_threshold"))
-    return LivenessConfig(
-        interval=r.get(s, p, "interval", _positive_duration, 15.0),
-        timeout=r.get(s, p, "timeout", _positive_duration, 20.0),
-        failure_threshold=r.get(s, p, "failure_threshold", _int_in(1, 1000), 3),
-    )
+    return LivenessConfig(**_read(r, raw, "liveness"))
 
 
 def _restart(r: _Reader, raw: object) -> RestartConfig:
-    p = "restart"
-    s = r.section(
-        raw,
-        p,
-        (
-            "backoff_initial",
-            "backoff_max",
-            "crash_loop",
-            "fallback_profile",
-            "stable_after",
-            "mode",
-        ),
-    )
-    cp = f"{p}.crash_loop"
-    cs = r.section(s.get("crash_loop"), cp, ("max_restarts", "window"))
-    return RestartConfig(
-        backoff_initial=r.get(s, p, "backoff_initial", parse_duration, 5.0),
-        backoff_max=r.get(s, p, "backoff_max", _positive_duration, 300.0),
-        crash_loop=CrashLoopConfig(
-            max_restarts=r.get(cs, cp, "max_restarts", _int_in(1, 10000), 5),
-            window=r.get(cs, cp, "window", _positive_duration, 3600.0),
-        ),
-        fallback_profile=r.get(s, p, "fallback_profile", _opt_string, None),
-        stable_after=r.get(s, p, "stable_after", _positive_duration, 600.0),
-        mode=r.get(s, p, "mode", _choice(*RESTART_MODES), "relaunch"),
-    )
+    s = _open(r, raw, "restart")
+    crash_loop = CrashLoopConfig(**_read(r, s.get("crash_loop"), "restart.crash_loop"))
+    return RestartConfig(**_values(r, s, "restart"), crash_loop=crash_loop)
 
 
-def _devices(value: object) -> str | tuple[int | str, ...]:
-    if value == "all":
-        return "all"
-    if isinstance(value, list) and value:
-        out: list[int | str] = []
-        for v in value:
-            index = isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            if index or (isinstance(v, str) and v.startswith(("GPU-", "MIG-"))):
-                out.append(v)
-            else:
-                raise ValueError(
-                    f"device {v!r} is neither an index (0, 1, ...) nor a UUID (GPU-...)"
-                )
-        if len(set(out)) != len(out):
-            raise ValueError("the device list names a GPU twice")
-        return tuple(out)
-    raise ValueError(f"expected 'all' or a non-empty list of indexes/UUIDs, got {_kind(value)}")
+def _stop(r: _Reader, raw: object) -> StopConfig:
+    return StopConfig(**_read(r, raw, "stop"))
 
 
 def _gpus(r: _Reader, raw: object) -> GpusConfig:
-    p = "gpus"
-    s = r.section(
-        raw,
-        p,
-        (
-            "manage",
-            "devices",
-            "leftover_policy",
-            "match",
-            "memory_free_timeout",
-            "memory_free_threshold_mib",
-        ),
-    )
-    return GpusConfig(
-        manage=r.get(s, p, "manage", _bool, True),
-        devices=r.get(s, p, "devices", _devices, "all"),
-        leftover_policy=r.get(
-            s, p, "leftover_policy", _choice("kill-matching", "report-only"), "kill-matching"
-        ),
-        match=r.get(s, p, "match", _string_list, ("sglang", "launch_server")),
-        memory_free_timeout=r.get(s, p, "memory_free_timeout", _positive_duration, 60.0),
-        memory_free_threshold_mib=r.get(
-            s, p, "memory_free_threshold_mib", _int_in(0, 10_000_000), 1024
-        ),
-    )
+    return GpusConfig(**_read(r, raw, "gpus"))
 
 
 def _admin(r: _Reader, raw: object, state_dir: str) -> AdminConfig:
-    p = "admin"
-    s = r.section(raw, p, ("listen", "token_file", "allow_remote"))
-    listen = r.get(s, p, "listen", lambda v: parse_listen(_string(v)), ("127.0.0.1", 29400))
-    host, port = listen if listen else ("127.0.0.1", 29400)
-    token_file = r.get(s, p, "token_file", _opt_absolute_path, None)
+    v = _read(r, raw, "admin")
+    host, port = v.pop("listen") or settings.default("admin.listen")
     return AdminConfig(
         host=host,
         port=port,
-        token_file=token_file or default_token_file(state_dir),
-        allow_remote=r.get(s, p, "allow_remote", _bool, False),
+        token_file=v.pop("token_file") or default_token_file(state_dir),
+        **v,
     )
 
 
@@ -308,25 +228,15 @@ def default_token_file(state_dir: str) -> str:
 def default_state_dir() -> str:
     # systemd's StateDirectory= exports STATE_DIRECTORY (possibly several, colon-separated).
     env = os.environ.get("STATE_DIRECTORY")
-    return env.split(":")[0] if env else "/var/lib/kimi-serve"
+    return env.split(":")[0] if env else settings.FALLBACK_STATE_DIR
 
 
 def _logs(r: _Reader, raw: object) -> LogsConfig:
-    p = "logs"
-    s = r.section(raw, p, ("fatal_patterns", "tail_lines"))
-    return LogsConfig(
-        fatal_patterns=r.get(s, p, "fatal_patterns", _regex_list, DEFAULT_FATAL_PATTERNS),
-        tail_lines=r.get(s, p, "tail_lines", _int_in(1, 100_000), 200),
-    )
+    return LogsConfig(**_read(r, raw, "logs"))
 
 
 def _logging(r: _Reader, raw: object) -> LoggingConfig:
-    p = "logging"
-    s = r.section(raw, p, ("format", "level"))
-    return LoggingConfig(
-        format=r.get(s, p, "format", _choice("json", "console"), "json"),
-        level=r.get(s, p, "level", _choice("debug", "info", "warning", "error"), "info"),
-    )
+    return LoggingConfig(**_read(r, raw, "logging"))
 
 
 def default_cache_dir(state_dir: str) -> str:
@@ -335,39 +245,19 @@ def default_cache_dir(state_dir: str) -> str:
     return env.split(":")[0] if env else os.path.join(state_dir, "cache")
 
 
-def _prewarm(value: object) -> str:
-    # YAML 1.1 reads a bare `off` as false.
-    return "off" if value is False else _choice("auto", "off")(value)
-
-
 def _warm(r: _Reader, raw: object, state_dir: str) -> WarmConfig:
-    p = "warm"
-    s = r.section(raw, p, ("cache_dir", "prewarm", "prewarm_readers", "prewarm_headroom"))
-    return WarmConfig(
-        cache_dir=r.get(s, p, "cache_dir", _opt_string, None) or default_cache_dir(state_dir),
-        prewarm=r.get(s, p, "prewarm", _prewarm, "off"),
-        prewarm_readers=r.get(s, p, "prewarm_readers", _int_in(1, 64), 4),
-        prewarm_headroom=r.get(s, p, "prewarm_headroom", parse_size, None),
-    )
+    v = _read(r, raw, "warm")
+    return WarmConfig(cache_dir=v.pop("cache_dir") or default_cache_dir(state_dir), **v)
 
 
 def _incidents(r: _Reader, raw: object, state_dir: str) -> IncidentsConfig:
-    p = "incidents"
-    s = r.section(raw, p, ("dir", "keep", "dump_timeout", "max_bytes", "min_free_bytes"))
-    return IncidentsConfig(
-        dir=r.get(s, p, "dir", _opt_string, None) or os.path.join(state_dir, "incidents"),
-        keep=r.get(s, p, "keep", _int_in(1, 10_000), 20),
-        dump_timeout=r.get(s, p, "dump_timeout", _positive_duration, 10.0),
-        max_bytes=r.get(s, p, "max_bytes", parse_size, INCIDENTS_MAX_BYTES),
-        min_free_bytes=r.get(s, p, "min_free_bytes", parse_size, INCIDENTS_MIN_FREE),
-    )
+    v = _read(r, raw, "incidents")
+    return IncidentsConfig(dir=v.pop("dir") or os.path.join(state_dir, "incidents"), **v)
 
 
 def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
-    p = "router"
-    s = r.section(raw, p, ("url", "worker_url", "api_key_file", "drain_timeout"))
-    url = r.get(s, p, "url", _opt_http_url, None)
-    worker_url = r.get(s, p, "worker_url", _opt_http_url, None)
+    v = _read(r, raw, "router")
+    url, worker_url = v["url"], v.pop("worker_url")
     if worker_url is None and sglang.host and sglang.port:
         host = sglang.host
         if host in ("0.0.0.0", "::"):
@@ -375,53 +265,13 @@ def _router(r: _Reader, raw: object, sglang: SGLangConfig) -> RouterConfig:
         worker_url = (
             f"http://[{host}]:{sglang.port}" if ":" in host else f"http://{host}:{sglang.port}"
         )
-    return RouterConfig(
-        url=url,
-        worker_url=worker_url or "",
-        api_key_file=r.get(s, p, "api_key_file", _opt_readable_file, None),
-        drain_timeout=r.get(s, p, "drain_timeout", parse_duration, 30.0),
-    )
-
-
-def _floor(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"expected a number, got {_kind(value)}")
-    if not 1.0 <= value <= 64.0:
-        raise ValueError(f"{value} is out of range 1-64 (a mean accept length, in tokens)")
-    return float(value)
-
-
-def _canary_prompt(value: object) -> str:
-    if value is None:
-        return DEFAULT_CANARY_PROMPT
-    text = _string(value)
-    if not text.strip():
-        raise ValueError("must not be empty (null: the default prompt)")
-    return text
+    return RouterConfig(worker_url=worker_url or "", **v)
 
 
 def _quality(r: _Reader, raw: object) -> QualityConfig:
-    p = "quality"
-    s = r.section(raw, p, ("canary", "spec_accept_floor", "on_spec_collapse"))
-    cp = f"{p}.canary"
-    cs = r.section(s.get("canary"), cp, ("enabled", "prompt", "max_tokens", "policy", "interval"))
-    d = CanaryConfig()
-    canary = CanaryConfig(
-        enabled=r.get(cs, cp, "enabled", _bool, d.enabled),
-        prompt=r.get(cs, cp, "prompt", _canary_prompt, d.prompt),
-        # At least 2: one token is a prefill, not a decode.
-        max_tokens=r.get(cs, cp, "max_tokens", _int_in(2, 256), d.max_tokens),
-        policy=r.get(cs, cp, "policy", _choice(*CANARY_POLICIES), d.policy),
-        interval=r.get(cs, cp, "interval", _positive_duration, d.interval),
-    )
-    q = QualityConfig()
-    return QualityConfig(
-        canary=canary,
-        spec_accept_floor=r.get(s, p, "spec_accept_floor", _floor, q.spec_accept_floor),
-        on_spec_collapse=r.get(
-            s, p, "on_spec_collapse", _choice(*SPEC_COLLAPSE_ACTIONS), q.on_spec_collapse
-        ),
-    )
+    s = _open(r, raw, "quality")
+    canary = CanaryConfig(**_read(r, s.get("canary"), "quality.canary"))
+    return QualityConfig(canary=canary, **_values(r, s, "quality"))
 
 
 def _arg_int(args: Mapping[str, ArgValue], *names: str) -> int | None:
@@ -440,44 +290,24 @@ def tp_size(args: Mapping[str, ArgValue]) -> int | None:
 
 
 def _group(r: _Reader, raw: object, cfg: Config) -> GroupConfig:
-    """`group:` plus the role read from SGLang's own multi-node flags."""
+    """`group:` plus the role read from SGLang's own multi-node flags (what a combination of
+    them may not be: `checks._group_checks`)."""
     p = "group"
-    s = r.section(
-        raw,
-        p,
-        ("peers", "leader", "token_file", "poll_interval", "poll_timeout", "partition_timeout"),
-    )
+    v = _read(r, raw, p)
     args = cfg.sglang.args
     nnodes = _arg_int(args, "nnodes") or 1
     rank = _arg_int(args, "node-rank", "node_rank") or 0
     role = "single" if nnodes <= 1 else ("leader" if rank == 0 else "follower")
-    peers = r.get(
-        s, p, "peers", lambda v: tuple(_http_url(_env_filled(u)) for u in _string_list(v)), ()
-    )
-    leader = r.get(s, p, "leader", lambda v: _http_url(_env_filled(_string(v))), None)
+    peers, leader = v.pop("peers"), v["leader"]
     if role == "follower" and leader is not None:
         if peers and tuple(peers) != (leader,):
             r.error(f"{p}.leader", f"{leader} differs from group.peers {list(peers)}")
         peers = (leader,)
-    out = GroupConfig(
+    return GroupConfig(
         role=role,
         nnodes=nnodes,
         node_rank=rank,
         peers=peers or (),
-        leader=leader,
-        token_file=r.get(s, p, "token_file", _opt_absolute_path, None) or cfg.admin.token_file,
-        poll_interval=r.get(s, p, "poll_interval", _positive_duration, 0.5),
-        poll_timeout=r.get(s, p, "poll_timeout", _positive_duration, 1.0),
-        partition_timeout=r.get(s, p, "partition_timeout", _positive_duration, 10.0),
+        token_file=v.pop("token_file") or cfg.admin.token_file,
+        **v,
     )
-    if rank >= nnodes:
-        r.error("sglang.args", f"node-rank {rank} is not below nnodes {nnodes}")
-    if role == "single" and out.peers:
-        r.error(f"{p}.peers", "set, but sglang.args.nnodes is not above 1")
-    if role == "single" and out.leader:
-        r.error(f"{p}.leader", "set, but sglang.args.nnodes is not above 1")
-    if role == "follower" and len(out.peers) > 1:
-        r.error(f"{p}.peers", "a follower (node-rank >= 1) lists exactly one peer: its leader")
-    if role == "leader" and out.peers and len(out.peers) != nnodes - 1:
-        r.error(f"{p}.peers", f"the leader lists its {nnodes - 1} followers; got {len(out.peers)}")
-    return out

@@ -1,13 +1,24 @@
-"""Configuration, the typed result: the frozen dataclass of every section with its defaults,
-the names kimi-serve reserves in SGLang's args, and the errors a config read raises.
+"""Configuration, the typed result: the frozen dataclass of every section, the names kimi-serve
+reserves in SGLang's args, and the errors a config read raises. A field's default, where it has
+one, is the key's declared default (`settings`).
 
 `supervisor.config` parses a file into these; every name here is importable from there too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from supervisor.config.errors import ConfigError as ConfigError
+from supervisor.config.errors import ConfigIssue as ConfigIssue
+from supervisor.config.settings import CANARY_POLICIES as CANARY_POLICIES
+from supervisor.config.settings import DEFAULT_CANARY_PROMPT as DEFAULT_CANARY_PROMPT
+from supervisor.config.settings import DEFAULT_FATAL_PATTERNS as DEFAULT_FATAL_PATTERNS
+from supervisor.config.settings import FALLBACK_STATE_DIR, default
+from supervisor.config.settings import RESTART_MODES as RESTART_MODES
+from supervisor.config.settings import SPEC_COLLAPSE_ACTIONS as SPEC_COLLAPSE_ACTIONS
 
 PRIMARY = "primary"
 
@@ -24,7 +35,6 @@ RESERVED_ARGS = {
     "port": "sglang.port",
 }
 TP_ARGS = ("tp-size", "tensor-parallel-size", "tp")
-RESTART_MODES = ("relaunch", "exit")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +105,7 @@ class RestartConfig:
     # "relaunch": kimi-serve relaunches SGLang itself. "exit": where it would relaunch after a
     # restart nobody asked for, it cleans up and exits EX_RESTART_BY_ORCHESTRATOR instead, so an
     # orchestrator relaunches the whole group (a node of a multi-node replica cannot rejoin).
-    mode: str = "relaunch"
+    mode: str = default("restart.mode")
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,7 @@ class AdminConfig:
     # Bearer token for the mutating endpoints; default <state_dir>/admin.token (docs/security.md).
     token_file: str = ""
     # Serving the endpoint beyond loopback must be asked for (admin.allow_remote).
-    allow_remote: bool = False
+    allow_remote: bool = default("admin.allow_remote")
 
     @property
     def listen(self) -> str:
@@ -134,24 +144,21 @@ class LogsConfig:
     tail_lines: int
 
 
-# 20 incidents of a tp=8 server with native stacks, estimated at up to 5 MiB each
-# (docs/incidents.md): 256 MiB holds them with room, and is small beside the journal on /var.
-# 1 GiB free is what journald, package upgrades and the launch record need to keep working
-# after a burst.
-INCIDENTS_MAX_BYTES = 256 * 2**20
-INCIDENTS_MIN_FREE = 2**30
+INCIDENTS_MAX_BYTES: int = default("incidents.max_bytes")
+INCIDENTS_MIN_FREE: int = default("incidents.min_free_bytes")
 
 
 @dataclass(frozen=True)
 class IncidentsConfig:
     dir: str  # default <state_dir>/incidents
-    keep: int  # newest N kept
-    dump_timeout: float  # budget for stack dumps of a live, broken SGLang before the kill
+    keep: int = default("incidents.keep")  # newest N kept
+    # budget for stack dumps of a live, broken SGLang before the kill
+    dump_timeout: float = default("incidents.dump_timeout")
     # Bounds, so evidence never costs the host its disk: the incidents together stay under
     # max_bytes (oldest removed first), and nothing large is written while the filesystem has
     # less than min_free_bytes free (see docs/incidents.md).
-    max_bytes: int
-    min_free_bytes: int
+    max_bytes: int = INCIDENTS_MAX_BYTES
+    min_free_bytes: int = INCIDENTS_MIN_FREE
 
 
 @dataclass(frozen=True)
@@ -164,10 +171,10 @@ class LoggingConfig:
 class RouterConfig:
     """Registration with an sglang-router / SMG in front of a fleet (docs/fleet.md)."""
 
-    url: str | None = None  # the router's own HTTP API; None: no registration
+    url: str | None = default("router.url")  # the router's own HTTP API; None: no registration
     worker_url: str = ""  # how the router reaches this SGLang (resolved, never empty when url)
-    api_key_file: str | None = None
-    drain_timeout: float = 30.0
+    api_key_file: str | None = default("router.api_key_file")
+    drain_timeout: float = default("router.drain_timeout")
 
     @property
     def enabled(self) -> bool:
@@ -183,16 +190,16 @@ class GroupConfig:
     nnodes: int = 1
     node_rank: int = 0
     # The peers' admin endpoints: the leader lists its followers, a follower its leader.
-    peers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = default("group.peers")
     # The leader's admin endpoint (`group.leader`): fills a follower's `peers`; the leader
     # itself reads it as its own address. One file for every node (a LeaderWorkerSet).
-    leader: str | None = None
+    leader: str | None = default("group.leader")
     # The bearer token presented to the peers (the same token as their admin.token_file).
     token_file: str = ""
-    poll_interval: float = 0.5
-    poll_timeout: float = 1.0
+    poll_interval: float = default("group.poll_interval")
+    poll_timeout: float = default("group.poll_timeout")
     # A peer unreachable this long ends this node's launch (never a relaunch alone).
-    partition_timeout: float = 10.0
+    partition_timeout: float = default("group.partition_timeout")
 
     @property
     def coordinated(self) -> bool:
@@ -206,19 +213,13 @@ class GroupConfig:
         return self.coordinated or self.role == "leader"
 
 
-# The canary's default prompt: short, plain text any base or chat model continues confidently.
-DEFAULT_CANARY_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
-CANARY_POLICIES = ("gate", "alert")
-SPEC_COLLAPSE_ACTIONS = ("alert", "fallback")
-
-
 @dataclass(frozen=True)
 class CanaryConfig:
-    enabled: bool = True
-    prompt: str = DEFAULT_CANARY_PROMPT
-    max_tokens: int = 16
-    policy: str = "gate"  # gate | alert
-    interval: float = 600.0
+    enabled: bool = default("quality.canary.enabled")
+    prompt: str = default("quality.canary.prompt")
+    max_tokens: int = default("quality.canary.max_tokens")
+    policy: str = default("quality.canary.policy")  # gate | alert
+    interval: float = default("quality.canary.interval")
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,8 @@ class QualityConfig:
     """Serving quality (docs/quality.md): the canary, speculation's accept length."""
 
     canary: CanaryConfig = CanaryConfig()
-    spec_accept_floor: float = 1.3
-    on_spec_collapse: str = "alert"  # alert | fallback
+    spec_accept_floor: float = default("quality.spec_accept_floor")
+    on_spec_collapse: str = default("quality.on_spec_collapse")  # alert | fallback
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,10 @@ class WarmConfig:
     measurements)."""
 
     cache_dir: str  # default $CACHE_DIRECTORY (systemd's CacheDirectory=), else <state_dir>/cache
-    prewarm: str = "off"  # "auto" | "off"
-    prewarm_readers: int = 4
-    prewarm_headroom: int | None = None  # bytes kept free; None: 10% of MemTotal, at least 2 GiB
+    prewarm: str = default("warm.prewarm")  # "auto" | "off"
+    prewarm_readers: int = default("warm.prewarm_readers")
+    # bytes kept free; None: 10% of MemTotal, at least 2 GiB
+    prewarm_headroom: int | None = default("warm.prewarm_headroom")
 
 
 @dataclass(frozen=True)
@@ -256,11 +258,7 @@ class Config:
     state_dir: str
     logs: LogsConfig
     logging: LoggingConfig
-    incidents: IncidentsConfig = field(
-        default_factory=lambda: IncidentsConfig(
-            "/var/lib/kimi-serve/incidents", 20, 10.0, INCIDENTS_MAX_BYTES, INCIDENTS_MIN_FREE
-        )
-    )
+    incidents: IncidentsConfig = IncidentsConfig(os.path.join(FALLBACK_STATE_DIR, "incidents"))
     router: RouterConfig = RouterConfig()
     group: GroupConfig = GroupConfig()
     warm: WarmConfig = WarmConfig("/var/cache/kimi-serve")
@@ -279,46 +277,20 @@ class Config:
         return (PRIMARY, *self.profiles)
 
 
-# Log lines that mean the server is broken even if its process is still up. SGLang spends ~65 s
-# in py-spy / CUDA-coredump steps after a scheduler exception before it exits
-# (docs/sglang.md, "Shutdown"), so reacting to the line itself saves a minute per crash.
-DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
-    # scheduler.py / detokenizer: `logger.error(f"Scheduler hit an exception: {traceback}")`,
-    # then SIGQUIT to the parent. A bare "Traceback" is not listed: a rejected client request
-    # can log one without the server being broken.
-    r"(Scheduler|DetokenizerManager|TokenizerManager) hit an exception",
-    r"Scheduler watchdog timeout",
-    r"CUDA out of memory|torch\.OutOfMemoryError|CUDA error: out of memory",
-    r"CUDA error: an illegal memory access",
-    r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError",
-    r"Initialization failed\. warmup error",
-)
+def merged_args(cfg: Config, profile: str) -> dict[str, ArgValue]:
+    """SGLang's flags for `profile`: sglang.args with the profile's overlay on top."""
+    args = dict(cfg.sglang.args)
+    if profile != PRIMARY:
+        for name, value in cfg.profile(profile).args.items():
+            # A null in the overlay removes the flag; keeping the key with None keeps the
+            # command line identical to "never set" while the position stays stable.
+            args[name] = value
+    return args
 
 
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    path: str
-    line: int | None
-    message: str
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; carries every issue found."""
-
-    def __init__(self, file: str, issues: list[ConfigIssue]) -> None:
-        self.file = file
-        self.issues = issues
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        lines = []
-        for issue in self.issues:
-            where = f"{self.file}:{issue.line}" if issue.line else self.file
-            key = f" {issue.path}:" if issue.path else ""
-            lines.append(f"{where}:{key} {issue.message}")
-        return "\n".join(lines)
+def merged_env(cfg: Config, profile: str) -> dict[str, str]:
+    """SGLang's extra environment for `profile` (a null in the overlay removes a variable)."""
+    env: dict[str, str | None] = dict(cfg.sglang.env)
+    if profile != PRIMARY:
+        env.update(cfg.profile(profile).env)
+    return {k: v for k, v in env.items() if v is not None}

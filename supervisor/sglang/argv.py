@@ -1,4 +1,9 @@
-"""Config + profile -> the exact SGLang command line and environment. Pure: no I/O."""
+"""Config + profile -> the exact SGLang command line and environment. Pure: no I/O.
+
+The warnings about a config's launch (`launch_warnings`: a secret flag on the command line, no
+SPT_NOENV) are checks across keys and live with the others, in supervisor/config/checks.py;
+they stay importable from here.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,10 @@ from pathlib import Path
 
 from supervisor import redact
 from supervisor.config import PRIMARY, ArgValue, Config, tp_size
+from supervisor.config import merged_args as merged_args
+from supervisor.config import merged_env as merged_env
+from supervisor.config.checks import SPT_NOENV as SPT_NOENV
+from supervisor.config.checks import launch_warnings as launch_warnings
 from supervisor.sglang import caches
 
 
@@ -58,23 +67,6 @@ def flag_tokens(name: str, value: ArgValue) -> list[str]:
     return [f"--{name}", _format(value)]
 
 
-def merged_args(cfg: Config, profile: str) -> dict[str, ArgValue]:
-    args = dict(cfg.sglang.args)
-    if profile != PRIMARY:
-        for name, value in cfg.profile(profile).args.items():
-            # A null in the overlay removes the flag; keeping the key with None keeps the
-            # command line identical to "never set" while the position stays stable.
-            args[name] = value
-    return args
-
-
-def merged_env(cfg: Config, profile: str) -> dict[str, str]:
-    env: dict[str, str | None] = dict(cfg.sglang.env)
-    if profile != PRIMARY:
-        env.update(cfg.profile(profile).env)
-    return {k: v for k, v in env.items() if v is not None}
-
-
 def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
     """The argv `<python> -m <module> --model-path M --host H --port P <args...>` and env."""
     if profile not in cfg.profile_names:
@@ -106,41 +98,12 @@ def build(cfg: Config, profile: str = PRIMARY) -> LaunchSpec:
     )
 
 
-# setproctitle, which SGLang's schedulers and detokenizer call, reuses the memory behind
-# /proc/PID/environ unless this is set: their environment (our owner marker with it) then reads
-# as empty (docs/sglang.md). Ownership does not depend on it (launch record, session), but
-# `gpu-clean` and an operator's `ps e` read better with it.
-SPT_NOENV = "SPT_NOENV"
-
-
 SECRETS_FILE = "sglang-secrets.yaml"
 
 
 def secrets_path(state_dir: str) -> str:
     """Where the launcher puts SGLang's API key for `--config` (mode 0600)."""
     return str(Path(state_dir) / SECRETS_FILE)
-
-
-def launch_warnings(cfg: Config) -> list[str]:
-    """Things worth fixing in a valid config: one line each, naming the key."""
-    out = []
-    for profile in cfg.profile_names:
-        for name in merged_args(cfg, profile):
-            if redact.is_secret_flag(name):
-                out.append(
-                    f"{cfg.path}: sglang.args {name} (profile {profile}) is on SGLang's command "
-                    "line, which every local user's `ps` shows: put an API key in "
-                    "sglang.api_key_file instead"
-                )
-    for profile in cfg.profile_names:
-        if merged_env(cfg, profile).get(SPT_NOENV) != "1":
-            where = "sglang.env" if profile == PRIMARY else f"sglang.env / profiles.{profile}.env"
-            out.append(
-                f'{cfg.path}: {where} has no {SPT_NOENV}: "1" (profile {profile}): '
-                "setproctitle in SGLang's schedulers and detokenizer wipes their environment, "
-                "so the owner marker is unreadable there"
-            )
-    return out
 
 
 def cache_problems(cfg: Config) -> list[str]:
