@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from tests.realsglang import server as real
+from testkit import realsglang as real
 
 TOKENS = real.CANARY_TOKENS
 START_TIMEOUT = 600.0  # a launch took over 180 s with other jobs on the two cores

@@ -29,7 +29,7 @@ import httpx
 
 from supervisor import quality
 from supervisor.quality.watch import ask
-from tests.realsglang import server as real
+from testkit import realsglang as real
 
 
 def _load(url: str, stop: threading.Event, i: int) -> None:

@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from testkit.paths import REPO_ROOT
 from testkit.wait import poll
 
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = Path("/lib/systemd/systemd")
 JOURNALD = Path("/lib/systemd/systemd-journald")
 

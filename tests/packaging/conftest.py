@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from testkit.box import REPO_ROOT, Box, BoxUnavailable
-
-from .debbox import DPKG_DB, contain_dpkg, host_state
+from testkit.debbox import DPKG_DB, contain_dpkg, host_state
 
 BUILD = REPO_ROOT / "packaging" / "build"
 BUILD_DEPS = ("dpkg-dev", "debhelper", "dh-virtualenv", "python3.11", "python3.11-venv", "lintian")
@@ -57,10 +56,10 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def deb_box(tmp_path: Path) -> Iterator[Box]:
-    """A booted box whose /usr, /etc, /opt and dpkg database are overlays (see debbox.py).
+    """A booted box whose /usr, /etc, /opt and dpkg database are overlays (see testkit/debbox.py).
 
     Killed after the test, which fails if the box changed the host's /tmp or /dev, or
-    anything of the host that installing kimi-serve would change (debbox.HostState).
+    anything of the host that installing kimi-serve would change (testkit.debbox.HostState).
     """
     before = host_state()
     booted = Box(tmp_path / "box", keep=[DPKG_DB])

@@ -21,7 +21,7 @@ import pytest
 
 from supervisor.process.identity import RECORD_FILE, LaunchRecord, ProcessIdentity, RecordStore
 from testkit import base_config, free_port
-from tests.reliability.rig import Trial, is_alive, is_event, is_state, supervised, trial
+from testkit.reliability import Trial, is_alive, is_event, is_state, supervised, trial
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from supervisor.config import ProbeConfig
 from supervisor.daemon import probing
 from supervisor.sglang.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
-from tests.reliability.rig import soak_factor, trial
+from testkit.reliability import soak_factor, trial
 
 pytestmark = pytest.mark.timeout(120)
 

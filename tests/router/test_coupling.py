@@ -31,11 +31,10 @@ from supervisor.core.machine import (
     UndrainRequested,
 )
 from supervisor.router import RouterLink, answer_drain, answer_undrain
-from testkit.router import RouterProcess
-from tests.standin.conftest import Launcher
-from tests.unit.test_machine import CFG, ok_result
-
-from .test_link import GENERATE, Recorder, served, until
+from testkit.machine import CFG, ok_result
+from testkit.router import GENERATE, Recorder, RouterProcess, served
+from testkit.standin import Launcher
+from testkit.wait import wait_until_async
 
 
 class Loop:
@@ -80,7 +79,7 @@ async def test_ready_drain_undrain_restart(router: RouterProcess, launch: Launch
                 assert url not in router.urls(), "registered before the decode probe"
             loop.dispatch(ProbeDone(1, ProbeKind.READINESS, ok_result()))
             assert loop.m.state is State.READY
-            await until("registered", lambda: url in router.urls())
+            await wait_until_async(lambda: url in router.urls(), 15.0, "registered")
 
             def drain() -> str | None:
                 refused = loop.m.drain_refusal()
@@ -102,11 +101,13 @@ async def test_ready_drain_undrain_restart(router: RouterProcess, launch: Launch
 
             assert (await answer_undrain(link, undrain)).status == 200
             assert (await answer_undrain(link, undrain)).status == 409  # not draining now
-            await until("registered again", lambda: url in router.urls())
+            await wait_until_async(lambda: url in router.urls(), 15.0, "registered again")
             before = served(replica)
             r = await client.post(router.url + "/generate", json=GENERATE)
             assert r.status_code == 200
-            await until("the replica to log it", lambda: served(replica) == before + 1)
+            await wait_until_async(
+                lambda: served(replica) == before + 1, 15.0, "the replica to log it"
+            )
 
             loop.dispatch(RestartRequested(Reason.MANUAL))
             await asyncio.gather(*loop.stops)

@@ -16,8 +16,7 @@ from aiohttp import web
 
 from supervisor.config import RouterConfig
 from supervisor.router import RouterLink
-
-from .test_link import Recorder
+from testkit.router import Recorder
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HTML = "<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"

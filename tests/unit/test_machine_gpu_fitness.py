@@ -28,7 +28,7 @@ from supervisor.core.machine import (
     TimerName,
     Transitioned,
 )
-from tests.unit.test_machine import LAUNCH_TIMERS, Drive, make_cfg, of, transitions
+from testkit.machine import LAUNCH_TIMERS, Drive, make_cfg, of, transitions
 
 LINE = (
     "GPU 3 (GPU-51a11a7e-0000-4000-8000-000000000003) needs a reset: "

@@ -44,7 +44,7 @@ from supervisor.core.machine import (
     UndrainRequested,
     Verdict,
 )
-from tests.unit.test_machine import CFG, PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
+from testkit.machine import CFG, PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
 
 SPEC_FALLBACK_CFG = dataclasses.replace(
     CFG, quality=dataclasses.replace(CFG.quality, on_spec_collapse="fallback")
