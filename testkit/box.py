@@ -293,6 +293,17 @@ def wait_for(
     return value
 
 
+def start_or_skip(box: Box) -> Box:
+    """`box` booted, or the test skipped on a host that cannot boot one (no root, no systemd)."""
+    import pytest  # only a test asks to be skipped; bench/ boots boxes without pytest
+
+    try:
+        box.start()
+    except BoxUnavailable as why:
+        pytest.skip(f"no systemd box on this host: {why}")
+    return box
+
+
 def unit_file_text(text: str) -> str:
     """Unit text as written in a test (indented triple-quoted string) -> file contents."""
     return textwrap.dedent(text).lstrip("\n")

@@ -95,18 +95,7 @@ Launch = Callable[..., Server]
 def _argv(side: str, sgl: real.SGLangEnv, port: int) -> list[str]:
     if side == "real":
         return real.server_argv(sgl, port)
-    return [
-        sys.executable,
-        "-m",
-        "supervisor.standin",
-        "--model-path",
-        sgl.model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *real.SERVER_FLAGS,
-    ]
+    return real.server_argv(sgl, port, python=sys.executable, module="supervisor.standin")
 
 
 def _env(side: str, fault: str | None, extra: Mapping[str, str]) -> dict[str, str]:

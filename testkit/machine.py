@@ -9,33 +9,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from supervisor import config
 from supervisor.config import Config
-from supervisor.core.machine import (
-    CHILD_STATES,
-    Action,
-    CancelTimer,
-    ChildExited,
-    ChildGone,
-    DrainRequested,
-    Event,
-    HostNotReady,
-    HostReady,
-    Launched,
-    Machine,
-    PortOpen,
-    ProbeDone,
-    ProbeKind,
-    SetTimer,
-    Start,
-    State,
-    StopRequested,
-    TimerFired,
-    TimerName,
-    Transitioned,
-)
+from supervisor.core import machine as core
 from supervisor.sglang.probe import ProbeResult
 
 T0 = 1_000.0
@@ -110,11 +89,11 @@ def not_up_result() -> ProbeResult:
 
 ZERO_TOKENS = failed_result("too_few_tokens", "generated 0 of 8 tokens (finish_reason 'stop')")
 LAUNCH_TIMERS = [
-    CancelTimer(TimerName.LOAD),
-    CancelTimer(TimerName.LIVENESS),
-    CancelTimer(TimerName.PROBE_RETRY),
+    core.CancelTimer(core.TimerName.LOAD),
+    core.CancelTimer(core.TimerName.LIVENESS),
+    core.CancelTimer(core.TimerName.PROBE_RETRY),
 ]
-ALL_TIMERS = [CancelTimer(n) for n in TimerName]
+ALL_TIMERS = [core.CancelTimer(n) for n in core.TimerName]
 
 
 class Drive:
@@ -123,115 +102,142 @@ class Drive:
     def __init__(self, cfg: Config = CFG, now: float = T0) -> None:
         self.cfg = cfg
         self.now = now
-        self.m = Machine(cfg, now)
+        self.m = core.Machine(cfg, now)
 
     @property
-    def state(self) -> State:
+    def state(self) -> core.State:
         return self.m.state
 
     @property
     def launch(self) -> int:
         return self.m.ctx.launch
 
-    def send(self, event: Event, after: float = 0.0) -> list[Action]:
+    def send(self, event: core.Event, after: float = 0.0) -> list[core.Action]:
         self.now += after
         return self.m.handle(event, self.now)
 
-    def expect(self, state: State) -> Drive:
+    def expect(self, state: core.State) -> Drive:
         assert self.state is state, f"expected {state}, machine is in {self.state}"
         return self
 
     # Paths. Each asserts where it lands, so a broken step fails where it breaks.
     def cleaning(self) -> Drive:
-        self.send(Start())
-        return self.expect(State.CLEANING)
+        self.send(core.Start())
+        return self.expect(core.State.CLEANING)
 
     def launching(self) -> Drive:
-        self.cleaning().send(HostReady())
-        return self.expect(State.LAUNCHING)
+        self.cleaning().send(core.HostReady())
+        return self.expect(core.State.LAUNCHING)
 
     def loading(self) -> Drive:
-        self.launching().send(Launched(self.launch, PID), after=0.1)
-        return self.expect(State.LOADING)
+        self.launching().send(core.Launched(self.launch, PID), after=0.1)
+        return self.expect(core.State.LOADING)
 
     def warming(self) -> Drive:
-        self.loading().send(PortOpen(self.launch), after=600)
-        return self.expect(State.WARMING)
+        self.loading().send(core.PortOpen(self.launch), after=600)
+        return self.expect(core.State.WARMING)
 
     def ready(self) -> Drive:
-        self.warming().send(ProbeDone(self.launch, ProbeKind.READINESS, ok_result()), after=1)
-        return self.expect(State.READY)
+        self.warming().send(
+            core.ProbeDone(self.launch, core.ProbeKind.READINESS, ok_result()), after=1
+        )
+        return self.expect(core.State.READY)
 
     def degraded(self) -> Drive:
         self.ready().liveness(failed_result())
-        return self.expect(State.DEGRADED)
+        return self.expect(core.State.DEGRADED)
 
     def draining(self) -> Drive:
-        self.ready().send(DrainRequested(), after=1)
-        return self.expect(State.DRAINING)
+        self.ready().send(core.DrainRequested(), after=1)
+        return self.expect(core.State.DRAINING)
 
     def restarting(self) -> Drive:
         """Restarting with the old child still being stopped."""
-        self.ready().send(ChildExited(self.launch, None, 9), after=5)
-        return self.expect(State.RESTARTING)
+        self.ready().send(core.ChildExited(self.launch, None, 9), after=5)
+        return self.expect(core.State.RESTARTING)
 
     def backing_off(self) -> Drive:
         """Restarting with the child gone: the backoff timer runs."""
-        self.restarting().send(ChildGone(self.launch, None, 9), after=1)
+        self.restarting().send(core.ChildGone(self.launch, None, 9), after=1)
         assert not self.m.ctx.child
-        return self.expect(State.RESTARTING)
+        return self.expect(core.State.RESTARTING)
 
     def failed(self) -> Drive:
-        self.cleaning().send(HostNotReady("process 77 survives SIGKILL (D state)", wedged=True))
-        return self.expect(State.FAILED)
+        self.cleaning().send(
+            core.HostNotReady("process 77 survives SIGKILL (D state)", wedged=True)
+        )
+        return self.expect(core.State.FAILED)
 
     def stopping(self) -> Drive:
-        self.ready().send(StopRequested())
-        return self.expect(State.STOPPING)
+        self.ready().send(core.StopRequested())
+        return self.expect(core.State.STOPPING)
 
     def stopped(self) -> Drive:
-        self.stopping().send(ChildGone(self.launch, 0, None), after=3)
-        return self.expect(State.STOPPED)
+        self.stopping().send(core.ChildGone(self.launch, 0, None), after=3)
+        return self.expect(core.State.STOPPED)
 
     # Steps used by several tests.
-    def liveness(self, result: ProbeResult, busy: bool = False, after: float = 15) -> list[Action]:
-        return self.send(ProbeDone(self.launch, ProbeKind.LIVENESS, result, busy), after=after)
+    def liveness(
+        self, result: ProbeResult, busy: bool = False, after: float = 15
+    ) -> list[core.Action]:
+        return self.send(
+            core.ProbeDone(self.launch, core.ProbeKind.LIVENESS, result, busy), after=after
+        )
 
-    def bring_up(self, after: float = 0.0) -> list[Action]:
+    def bring_up(self, after: float = 0.0) -> list[core.Action]:
         """From CLEANING to READY; returns the actions of the Launch step."""
-        self.expect(State.CLEANING)
-        actions = self.send(HostReady(), after=after)
-        self.send(Launched(self.launch, PID), after=0.1)
-        self.send(PortOpen(self.launch), after=60)
-        self.send(ProbeDone(self.launch, ProbeKind.READINESS, ok_result()), after=1)
-        self.expect(State.READY)
+        self.expect(core.State.CLEANING)
+        actions = self.send(core.HostReady(), after=after)
+        self.send(core.Launched(self.launch, PID), after=0.1)
+        self.send(core.PortOpen(self.launch), after=60)
+        self.send(core.ProbeDone(self.launch, core.ProbeKind.READINESS, ok_result()), after=1)
+        self.expect(core.State.READY)
         return actions
 
-    def crash(self, after: float = 1.0) -> list[Action]:
+    def crash(self, after: float = 1.0) -> list[core.Action]:
         """SGLang dies in a child state (its whole group at once, as a SIGKILL of the group
         leaves it); returns the actions on ChildGone."""
-        assert self.state in CHILD_STATES
-        self.send(ChildExited(self.launch, None, 9), after=after)
-        self.expect(State.RESTARTING)
-        return self.send(ChildGone(self.launch, None, 9))
+        assert self.state in core.CHILD_STATES
+        self.send(core.ChildExited(self.launch, None, 9), after=after)
+        self.expect(core.State.RESTARTING)
+        return self.send(core.ChildGone(self.launch, None, 9))
 
-    def backoff_elapsed(self, after: float = 1.0) -> list[Action]:
-        actions = self.send(TimerFired(TimerName.BACKOFF, self.launch), after=after)
-        self.expect(State.CLEANING)
+    def backoff_elapsed(self, after: float = 1.0) -> list[core.Action]:
+        actions = self.send(core.TimerFired(core.TimerName.BACKOFF, self.launch), after=after)
+        self.expect(core.State.CLEANING)
         return actions
 
 
-def events(*items: Event) -> tuple[Event, ...]:
+def edge_ids(cases: Mapping[tuple[core.State, core.State], object]) -> list[str]:
+    """Test ids for a table of edge cases: `old->new`."""
+    return [f"{a.value}->{b.value}" for a, b in cases]
+
+
+def check_edge(
+    cases: Mapping[tuple[core.State, core.State], Callable[[], Any]],
+    edge: tuple[core.State, core.State],
+) -> None:
+    """The case's actions take `edge` first and are exactly the ones it expects."""
+    got, expected = cases[edge]()
+    assert transitions(got)[0] == edge
+    assert got == expected
+
+
+def events(*items: core.Event) -> tuple[core.Event, ...]:
     return items
 
 
-def transitions(actions: list[Action]) -> list[tuple[State, State]]:
-    return [(a.old, a.new) for a in actions if isinstance(a, Transitioned)]
+def transitions(actions: list[core.Action]) -> list[tuple[core.State, core.State]]:
+    return [(a.old, a.new) for a in actions if isinstance(a, core.Transitioned)]
 
 
-def of(kind: type, actions: list[Action]) -> list[Any]:
+def of(kind: type, actions: list[core.Action]) -> list[Any]:
     return [a for a in actions if isinstance(a, kind)]
 
 
-def backoff_delays(actions: list[Action]) -> list[float]:
-    return [a.delay for a in actions if isinstance(a, SetTimer) and a.name is TimerName.BACKOFF]
+def backoff_delays(actions: list[core.Action]) -> list[float]:
+    return [
+        a.delay
+        for a in actions
+        if isinstance(a, core.SetTimer) and a.name is core.TimerName.BACKOFF
+    ]

@@ -16,47 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from supervisor.config import Config
-from supervisor.core.machine import (
-    CHILD_STATES,
-    EDGES,
-    EX_RESTART_BY_ORCHESTRATOR,
-    PROBE_RETRY_DELAY,
-    SERVING,
-    Action,
-    CancelTimer,
-    ChildExited,
-    ChildGone,
-    CleanHost,
-    DrainRequested,
-    Event,
-    Exit,
-    FatalLog,
-    HostNotReady,
-    HostReady,
-    Launch,
-    Launched,
-    LaunchFailed,
-    Machine,
-    NotifyReady,
-    PortOpen,
-    ProbeDone,
-    ProbeKind,
-    ProfileChanged,
-    ReadyLine,
-    Reason,
-    RecordRestart,
-    RestartRequested,
-    SetTimer,
-    Start,
-    StartProbe,
-    State,
-    StopChild,
-    StopRequested,
-    TimerFired,
-    TimerName,
-    Transitioned,
-    UndrainRequested,
-)
+from supervisor.core import machine as core
 from testkit.machine import (
     PID,
     SCHEDULER_EXCEPTION,
@@ -73,20 +33,20 @@ from testkit.machine import (
 class Invariants:
     """Wraps a Machine; checks every handled event against the rules that must always hold."""
 
-    m: Machine
+    m: core.Machine
     ready_evidence: bool = False  # a readiness probe of the current launch succeeded
     launches: int = 0
     exits: int = 0
     owed_record: bool = False  # entered RESTARTING; RecordRestart must come before leaving
-    edges: set[tuple[State, State]] = field(default_factory=set)
+    edges: set[tuple[core.State, core.State]] = field(default_factory=set)
 
-    def handle(self, event: Event, now: float) -> list[Action]:
+    def handle(self, event: core.Event, now: float) -> list[core.Action]:
         m = self.m
         before, launch, child, profile = m.state, m.ctx.launch, m.ctx.child, m.ctx.profile
         actions = m.handle(event, now)
         good_probe = (
-            isinstance(event, ProbeDone)
-            and event.kind is ProbeKind.READINESS
+            isinstance(event, core.ProbeDone)
+            and event.kind is core.ProbeKind.READINESS
             and event.result.ok
             and event.launch == launch
         )
@@ -95,34 +55,37 @@ class Invariants:
 
     def _check(
         self,
-        event: Event,
-        before: State,
+        event: core.Event,
+        before: core.State,
         child_before: bool,
         profile: str,
         good_probe: bool,
-        actions: list[Action],
+        actions: list[core.Action],
     ) -> None:
         m, cfg = self.m, self.m.cfg
-        if before is State.STOPPED:
+        if before is core.State.STOPPED:
             assert actions == [], "STOPPED is final"
-        if before is State.FAILED and not isinstance(event, RestartRequested | StopRequested):
+        if before is core.State.FAILED and not isinstance(
+            event, core.RestartRequested | core.StopRequested
+        ):
             assert actions == [], f"FAILED acted on {event}"
-        if before in (State.STOPPING, State.STOPPED):
+        if before in (core.State.STOPPING, core.State.STOPPED):
             for a in actions:
                 assert (
-                    a == StopChild(m.ctx.launch, graceful=False)
-                    or a == Transitioned(State.STOPPING, State.STOPPED, "child_stopped")
-                    or a == Exit(0)
+                    a == core.StopChild(m.ctx.launch, graceful=False)
+                    or a
+                    == core.Transitioned(core.State.STOPPING, core.State.STOPPED, "child_stopped")
+                    or a == core.Exit(0)
                     # restart.mode: exit, handing over: the cleaning's answer ends it.
                     or (
                         cfg.restart.mode == "exit"
-                        and isinstance(event, HostReady | HostNotReady)
+                        and isinstance(event, core.HostReady | core.HostNotReady)
                         and (
-                            a == Exit(EX_RESTART_BY_ORCHESTRATOR)
+                            a == core.Exit(core.EX_RESTART_BY_ORCHESTRATOR)
                             or (
-                                isinstance(a, Transitioned)
+                                isinstance(a, core.Transitioned)
                                 and (a.old, a.new, a.reason)
-                                == (State.STOPPING, State.STOPPED, "restart_mode_exit")
+                                == (core.State.STOPPING, core.State.STOPPED, "restart_mode_exit")
                             )
                         )
                     )
@@ -133,70 +96,78 @@ class Invariants:
         became_ready = False
         for a in actions:
             match a:
-                case Transitioned():
+                case core.Transitioned():
                     assert a.old is state, f"{a} does not start from {state}"
                     status_only = a.old is a.new and a.old in (
-                        State.CLEANING,
-                        State.DEGRADED,
-                        State.RESTARTING,
-                        State.DRAINING,
+                        core.State.CLEANING,
+                        core.State.DEGRADED,
+                        core.State.RESTARTING,
+                        core.State.DRAINING,
                     )
-                    assert status_only or a.new in EDGES[a.old], f"illegal edge {a}"
-                    if a.old is State.WARMING and a.new is State.READY:
+                    assert status_only or a.new in core.EDGES[a.old], f"illegal edge {a}"
+                    if a.old is core.State.WARMING and a.new is core.State.READY:
                         assert good_probe, f"ready on {event}, not on a readiness probe"
                         became_ready = True
-                    if a.new is State.RESTARTING:
+                    if a.new is core.State.RESTARTING:
                         self.owed_record = True
-                    if a.old is State.RESTARTING and a.new in (State.CLEANING, State.FAILED):
+                    if a.old is core.State.RESTARTING and a.new in (
+                        core.State.CLEANING,
+                        core.State.FAILED,
+                    ):
                         assert not self.owed_record, "left RESTARTING without RecordRestart"
-                    if a.new is State.STOPPING:
+                    if a.new is core.State.STOPPING:
                         self.owed_record = False
                     self.edges.add((a.old, a.new))
                     state = a.new
-                case Launch():
+                case core.Launch():
                     assert not child_before, "Launch while a child of the machine exists"
                     assert a.launch == self.launches + 1
                     assert a.profile == profile
                     self.launches = a.launch
                     self.ready_evidence = False
-                case RecordRestart():
-                    assert self.owed_record or before is State.FAILED, f"extra {a}"
+                case core.RecordRestart():
+                    assert self.owed_record or before is core.State.FAILED, f"extra {a}"
                     self.owed_record = False
-                case NotifyReady():
+                case core.NotifyReady():
                     assert became_ready
-                case Exit():
+                case core.Exit():
                     handed_over = cfg.restart.mode == "exit" and isinstance(
-                        event, HostReady | HostNotReady
+                        event, core.HostReady | core.HostNotReady
                     )
-                    assert a.code == (EX_RESTART_BY_ORCHESTRATOR if handed_over else 0)
+                    assert a.code == (core.EX_RESTART_BY_ORCHESTRATOR if handed_over else 0)
                     self.exits += 1
                     assert self.exits == 1, "Exit twice"
-                case StopChild():
+                case core.StopChild():
                     assert a.launch == m.ctx.launch and m.ctx.child
-                case SetTimer():
+                case core.SetTimer():
                     assert a.launch == m.ctx.launch and a.delay >= 0
-                    if a.name is TimerName.LOAD:
+                    if a.name is core.TimerName.LOAD:
                         assert a.delay == cfg.readiness.load_timeout
-                    elif a.name is TimerName.LIVENESS:
+                    elif a.name is core.TimerName.LIVENESS:
                         assert a.delay == cfg.liveness.interval
-                    elif a.name is TimerName.PROBE_RETRY:
-                        assert a.delay == PROBE_RETRY_DELAY
+                    elif a.name is core.TimerName.PROBE_RETRY:
+                        assert a.delay == core.PROBE_RETRY_DELAY
                     else:
                         assert a.delay <= cfg.restart.backoff_max
-                case ProfileChanged():
+                case core.ProfileChanged():
                     assert a.old == profile and a.new != a.old
                     profile = a.new
                 case _:
                     pass
         assert m.state is state
         assert m.ctx.profile == profile and profile in cfg.profile_names
-        if m.state in SERVING:
+        if m.state in core.SERVING:
             assert self.ready_evidence, "serving without a good readiness probe of this launch"
-        if m.state in CHILD_STATES:
+        if m.state in core.CHILD_STATES:
             assert m.ctx.child, f"{m.state} without a child"
-        if m.state in (State.STARTING, State.CLEANING, State.FAILED, State.STOPPED):
+        if m.state in (
+            core.State.STARTING,
+            core.State.CLEANING,
+            core.State.FAILED,
+            core.State.STOPPED,
+        ):
             assert not m.ctx.child, f"{m.state} with a child"
-        if m.state is State.STOPPED:
+        if m.state is core.State.STOPPED:
             assert self.exits == 1
 
 
@@ -236,10 +207,10 @@ class World:
     inv: Invariants
     data: Any
     now: float = T0
-    queue: deque[Event] = field(default_factory=deque)
-    timers: dict[TimerName, tuple[TimerFired, float]] = field(default_factory=dict)
+    queue: deque[core.Event] = field(default_factory=deque)
+    timers: dict[core.TimerName, tuple[core.TimerFired, float]] = field(default_factory=dict)
     cleans: int = 0
-    probes: list[tuple[int, ProbeKind]] = field(default_factory=list)
+    probes: list[tuple[int, core.ProbeKind]] = field(default_factory=list)
     stopping: int | None = None
     alive: set[int] = field(default_factory=set)
     spawned: int | None = None  # the daemon's `self.child`: the last successful spawn
@@ -251,12 +222,12 @@ class World:
         # The signal handlers are installed before the daemon queues Start(), so a SIGTERM
         # during its preflight checks lands first.
         if data.draw(st.integers(0, 49)) == 0:
-            world.queue.append(StopRequested())
-        world.queue.append(Start())
+            world.queue.append(core.StopRequested())
+        world.queue.append(core.Start())
         return world
 
     @property
-    def m(self) -> Machine:
+    def m(self) -> core.Machine:
         return self.inv.m
 
     def draw(self, strategy: st.SearchStrategy[Any]) -> Any:
@@ -269,28 +240,28 @@ class World:
         # Never forget a live process: a leak survives the daemon.
         assert not self.alive or (self.m.ctx.child and self.alive == {self.m.ctx.launch})
 
-    def perform(self, a: Action) -> None:
+    def perform(self, a: core.Action) -> None:
         match a:
-            case CleanHost():
+            case core.CleanHost():
                 self.cleans += 1
-            case Launch():
+            case core.Launch():
                 assert not self.alive, "two SGLang launches at once"
                 if self.draw(st.integers(0, 9)) != 5:  # one spawn in ten fails
                     self.alive.add(a.launch)
                     self.spawned = a.launch
-                    self.queue.append(Launched(a.launch, PID + a.launch))
+                    self.queue.append(core.Launched(a.launch, PID + a.launch))
                 else:
-                    self.queue.append(LaunchFailed(a.launch, "cannot start python"))
-            case StartProbe():
+                    self.queue.append(core.LaunchFailed(a.launch, "cannot start python"))
+            case core.StartProbe():
                 self.probes.append((a.launch, a.kind))
-            case StopChild():
+            case core.StopChild():
                 if self.spawned != a.launch:
-                    self.queue.append(ChildGone(a.launch, None, None))
+                    self.queue.append(core.ChildGone(a.launch, None, None))
                 elif self.stopping is None:
                     self.stopping = a.launch
-            case SetTimer():
-                self.timers[a.name] = (TimerFired(a.name, a.launch), self.now + a.delay)
-            case CancelTimer():
+            case core.SetTimer():
+                self.timers[a.name] = (core.TimerFired(a.name, a.launch), self.now + a.delay)
+            case core.CancelTimer():
                 self.timers.pop(a.name, None)
             case _:
                 pass
@@ -310,9 +281,9 @@ class World:
             moves += ["ready_line"] * 10 * (("ready", cur) not in self.told)
         # An operator acts more often on a degraded server (and so the runs reach its edges).
         # A drain of a ready server: often enough that every edge of DRAINING is taken.
-        moves += ["drain"] * 2 * (self.m.state is State.READY)
-        weight = {State.DEGRADED: 10, State.DRAINING: 30}.get(self.m.state, 1)
-        weight *= 1 + (self.m.state is State.DRAINING and self.m.ctx.liveness_failures > 0)
+        moves += ["drain"] * 2 * (self.m.state is core.State.READY)
+        weight = {core.State.DEGRADED: 10, core.State.DRAINING: 30}.get(self.m.state, 1)
+        weight *= 1 + (self.m.state is core.State.DRAINING and self.m.ctx.liveness_failures > 0)
         return [*moves, *["operator"] * weight]
 
     def step(self, move: str) -> None:
@@ -333,56 +304,57 @@ class World:
                     self.draw(
                         st.sampled_from(
                             [
-                                *[HostReady()] * 8,
-                                HostNotReady("GPU memory still held"),
-                                HostNotReady("GPU memory still held"),
-                                HostNotReady("stuck in D state", wedged=True),
+                                *[core.HostReady()] * 8,
+                                core.HostNotReady("GPU memory still held"),
+                                core.HostNotReady("GPU memory still held"),
+                                core.HostNotReady("stuck in D state", wedged=True),
                             ]
                         )
                     )
                 )
             case "probe":
                 launch, kind = self.probes.pop(0)
-                if kind is ProbeKind.READINESS:
+                if kind is core.ProbeKind.READINESS:
                     result = ok_result() if self.draw(st.booleans()) else self.draw(RESULTS)
                     busy = False  # the daemon reads progress around liveness probes only
                 else:
                     result, busy = self.draw(RESULTS), self.draw(st.booleans())
-                self.queue.append(ProbeDone(launch, kind, result, busy))
+                self.queue.append(core.ProbeDone(launch, kind, result, busy))
             case "stop_done":
                 assert self.stopping is not None
                 self.alive.discard(self.stopping)
-                self.queue.append(ChildGone(self.stopping, None, 15))
+                self.queue.append(core.ChildGone(self.stopping, None, 15))
                 self.stopping = None
             case "trouble":
                 assert cur is not None
                 if self.draw(st.booleans()):
                     self.alive.discard(cur)
-                    self.queue.append(ChildExited(cur, None, 9))
+                    self.queue.append(core.ChildExited(cur, None, 9))
                 else:
-                    self.queue.append(FatalLog(cur, SCHEDULER_EXCEPTION))
+                    self.queue.append(core.FatalLog(cur, SCHEDULER_EXCEPTION))
             case "port" | "ready_line":
                 assert cur is not None
                 self.told.add(("port" if move == "port" else "ready", cur))
-                self.queue.append(PortOpen(cur) if move == "port" else ReadyLine(cur))
+                self.queue.append(core.PortOpen(cur) if move == "port" else core.ReadyLine(cur))
             case "drain":
-                self.queue.append(DrainRequested())
+                self.queue.append(core.DrainRequested())
             case "operator":
                 # A drained server is mostly given back (else runs seldom leave it that way).
-                undrain = ["undrain"] * (12 if self.m.state is State.DRAINING else 1)
+                undrain = ["undrain"] * (12 if self.m.state is core.State.DRAINING else 1)
                 what = self.draw(
                     st.sampled_from(["manual", "reload", "primary", "sigterm", "drain", *undrain])
                 )
                 if what == "drain":
-                    self.queue.append(DrainRequested())
+                    self.queue.append(core.DrainRequested())
                 elif what == "undrain":
-                    self.queue.append(UndrainRequested())
+                    self.queue.append(core.UndrainRequested())
                 else:
                     self.queue.append(
-                        StopRequested()
+                        core.StopRequested()
                         if what == "sigterm"
-                        else RestartRequested(
-                            Reason.MANUAL if what == "manual" else Reason.RELOAD, what == "primary"
+                        else core.RestartRequested(
+                            core.Reason.MANUAL if what == "manual" else core.Reason.RELOAD,
+                            what == "primary",
                         )
                     )
 
@@ -393,7 +365,7 @@ class World:
 
     def drain(self) -> None:
         """SIGTERM, then let every effect finish: the daemon must reach STOPPED and exit."""
-        self.queue.append(StopRequested())
+        self.queue.append(core.StopRequested())
         for _ in range(500):
             if self.queue:
                 self.deliver()
@@ -401,28 +373,30 @@ class World:
                 self.step("stop_done")
             elif self.probes:
                 launch, kind = self.probes.pop(0)
-                self.queue.append(ProbeDone(launch, kind, failed_result()))
+                self.queue.append(core.ProbeDone(launch, kind, failed_result()))
             elif self.cleans:
                 self.cleans -= 1
-                self.queue.append(HostReady())
+                self.queue.append(core.HostReady())
             elif self.timers:
                 self.step("timer")
             else:
                 break
-        assert self.m.state is State.STOPPED, f"SIGTERM left the machine in {self.m.state}"
+        assert self.m.state is core.State.STOPPED, f"SIGTERM left the machine in {self.m.state}"
         assert self.inv.exits == 1 and not self.alive
 
 
 def daemon_like_run(
     data: Any, cfg: Config, steps: int, checks: type[Invariants] | None = None
 ) -> World:
-    world = World.started((checks or Invariants)(Machine(cfg, T0)), data)
+    world = World.started((checks or Invariants)(core.Machine(cfg, T0)), data)
     for _ in range(steps):
         world.step(data.draw(st.sampled_from(world.moves())))
         if world.quiescent():
             # Nothing in flight and nothing queued: only FAILED and STOPPED may wait forever.
-            assert world.m.state in (State.FAILED, State.STOPPED), f"stuck in {world.m.state}"
-        if world.m.state is State.STOPPED:
+            assert world.m.state in (core.State.FAILED, core.State.STOPPED), (
+                f"stuck in {world.m.state}"
+            )
+        if world.m.state is core.State.STOPPED:
             break
     world.drain()
     return world

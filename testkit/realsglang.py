@@ -172,11 +172,19 @@ def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def server_argv(sgl: SGLangEnv, port: int, extra: Sequence[str] = ()) -> list[str]:
+def server_argv(
+    sgl: SGLangEnv,
+    port: int,
+    extra: Sequence[str] = (),
+    *,
+    python: str | None = None,
+    module: str = "sglang.launch_server",
+) -> list[str]:
+    """The server's command line (`python -m module`: the stand-in takes the same flags)."""
     return [
-        sgl.python,
+        python or sgl.python,
         "-m",
-        "sglang.launch_server",
+        module,
         "--model-path",
         sgl.model,
         "--host",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.box import REPO_ROOT, Box, BoxUnavailable
+from testkit.box import REPO_ROOT, Box, start_or_skip
 from testkit.debbox import DPKG_DB, contain_dpkg, host_state
 
 BUILD = REPO_ROOT / "packaging" / "build"
@@ -63,10 +63,7 @@ def deb_box(tmp_path: Path) -> Iterator[Box]:
     """
     before = host_state()
     booted = Box(tmp_path / "box", keep=[DPKG_DB])
-    try:
-        booted.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(booted)
     try:
         contain_dpkg(booted)
         yield booted

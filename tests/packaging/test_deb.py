@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from testkit import base_config
-from testkit.box import REPO_ROOT, Box, BoxUnavailable
+from testkit.box import REPO_ROOT, Box, start_or_skip
 from testkit.debbox import DPKG_DB, HostState, NotContained, check_contained, host_state, in_box, ok
 from testkit.observability import (
     RUNBOOK_DEFAULT_URL,
@@ -333,10 +333,7 @@ def test_host_state_sees_an_installed_package() -> None:
 def test_a_box_without_the_overlays_is_refused(tmp_path: Path) -> None:
     """check_contained() stops before any write when the overlays are missing."""
     box = Box(tmp_path / "box", keep=[DPKG_DB])
-    try:
-        box.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(box)
     try:
         with pytest.raises(NotContained, match="/var/lib/dpkg is not an overlay"):
             check_contained(box)

@@ -8,6 +8,7 @@ import httpx
 from aiohttp import web
 
 from bench.loadgen import CUT, STREAM_OK, LoadGenerator, stream_complete
+from testkit.loopback import serve_app
 from testkit.router import RouterProcess, make_link, served
 from testkit.standin import Launcher
 from testkit.wait import wait_until_async
@@ -72,12 +73,7 @@ async def _sse(cut: bool) -> tuple[str, Callable[[], Awaitable[None]]]:
 
     app = web.Application()
     app.router.add_post("/generate", handler)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return f"http://127.0.0.1:{port}", runner.cleanup
+    return await serve_app(app)
 
 
 async def test_streams_cut_and_completed_are_told_apart() -> None:

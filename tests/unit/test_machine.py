@@ -78,6 +78,8 @@ from testkit.machine import (
     ZERO_TOKENS,
     Drive,
     backoff_delays,
+    check_edge,
+    edge_ids,
     events,
     failed_result,
     make_cfg,
@@ -353,13 +355,9 @@ def test_every_edge_in_the_table_has_a_case() -> None:
     assert edges == set(EDGE_CASES)
 
 
-@pytest.mark.parametrize(
-    "edge", list(EDGE_CASES), ids=[f"{a.value}->{b.value}" for a, b in EDGE_CASES]
-)
+@pytest.mark.parametrize("edge", list(EDGE_CASES), ids=edge_ids(EDGE_CASES))
 def test_edge(edge: tuple[State, State]) -> None:
-    got, expected = EDGE_CASES[edge]()
-    assert transitions(got)[0] == edge
-    assert got == expected
+    check_edge(EDGE_CASES, edge)
 
 
 def test_ready_line_also_starts_warming() -> None:
