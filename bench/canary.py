@@ -4,7 +4,7 @@
 
 The figures a canary comparison is designed on (docs/realsglang.md quotes them). For each of
 the tiny random model (tools/make-tiny-model) and the confident canary model
-(tools/make-canary-model), one real server (tests/realsglang/server.py), and on it `--n`
+(tools/make-canary-model), one real server (testkit/realsglang.py), and on it `--n`
 greedy generations of the canary prompt (`/generate`, temperature 0, max_new_tokens 16,
 ignore_eos, return_logprob with top_logprobs_num 2) in three conditions:
 
@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from bench.common import parser
-from tests.realsglang import server as real
+from testkit import realsglang as real
 
 TOKENS = real.CANARY_TOKENS
 START_TIMEOUT = 600.0  # a launch took over 180 s with other jobs on the two cores

@@ -2,7 +2,7 @@
 
     SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench quality-canary [--n 35]
 
-One real SGLang 0.5.23 server (tests/realsglang/server.py) serving the canary model of
+One real SGLang 0.5.23 server (testkit/realsglang.py) serving the canary model of
 tools/make-canary-model. The first canary answer (supervisor.daemon.quality_watch.ask) is the
 golden;
 then `--n` canaries in each of three conditions are compared with it exactly as the daemon
@@ -30,7 +30,7 @@ import httpx
 from bench.common import parser
 from supervisor import quality
 from supervisor.daemon.quality_watch import ask
-from tests.realsglang import server as real
+from testkit import realsglang as real
 
 
 def _load(url: str, stop: threading.Event, i: int) -> None:

@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from testkit.paths import REPO_ROOT
 from testkit.wait import poll
 
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = Path("/lib/systemd/systemd")
 JOURNALD = Path("/lib/systemd/systemd-journald")
 
@@ -291,6 +291,17 @@ def wait_for(
         )
     assert value is not None
     return value
+
+
+def start_or_skip(box: Box) -> Box:
+    """`box` booted, or the test skipped on a host that cannot boot one (no root, no systemd)."""
+    import pytest  # only a test asks to be skipped; bench/ boots boxes without pytest
+
+    try:
+        box.start()
+    except BoxUnavailable as why:
+        pytest.skip(f"no systemd box on this host: {why}")
+    return box
 
 
 def unit_file_text(text: str) -> str:

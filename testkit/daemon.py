@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,8 @@ def reaped(d: DaemonProcess) -> Iterator[DaemonProcess]:
             left = wait_gone(owned_processes(d.owner), timeout=5)
             kill_owned(d.owner)
             assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+def log_time(event: dict[str, Any]) -> float:
+    """Unix time of one of the daemon's JSON log lines."""
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()

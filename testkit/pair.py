@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from testkit.daemon import base_config
-from testkit.wait import free_port
+from testkit.wait import free_port, wait_until
 
 
 def shared_token(tmp: Path) -> Path:
@@ -139,10 +139,7 @@ class Proxy:
 
 
 def until_all(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until `pred` holds (polled every 20 ms), or AssertionError."""
+    """Seconds until `pred` holds (`wait_until`, polled every 20 ms), or AssertionError."""
     t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
+    wait_until(pred, timeout, what)
     return time.monotonic() - t0

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import psutil
 
 from supervisor.process.identity import OWNER_ENV
+from testkit.wait import poll
 
 
 def owned_processes(owner: str) -> list[psutil.Process]:
@@ -34,7 +35,8 @@ def alive(p: psutil.Process) -> bool:
 
 
 def wait_gone(procs: Iterable[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
-    """Those still alive (not zombies) after `timeout`; psutil waits on each without polling
-    our children and polls the others."""
-    _gone, still = psutil.wait_procs(list(procs), timeout=timeout)
-    return [p for p in still if alive(p)]
+    """Those still alive (not zombies) after `timeout`, polled: an orphan nobody reaps is gone
+    once it is a zombie, so a wait on its pid would wait out the whole timeout."""
+    procs = list(procs)
+    poll(lambda: not any(alive(p) for p in procs), timeout)
+    return [p for p in procs if alive(p)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry
+
+from supervisor.config import RouterConfig
+from supervisor.metrics import Metrics
+from supervisor.router import RouterLink
+from testkit.standin import Standin
+from testkit.wait import free_port
 
 START_DEADLINE = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def router_available() -> bool:
@@ -112,3 +111,48 @@ class RouterProcess:
         self.kill()
         with contextlib.suppress(OSError):
             self.log_path.unlink()
+
+
+GENERATE = {"text": "Say hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+
+class Recorder:
+    """A structlog-shaped logger that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.lines.append((event, kw))
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self.lines.append((event, kw))
+
+    def errors(self) -> list[str]:
+        return [str(kw.get("error")) for e, kw in self.lines if e == "router call failed"]
+
+
+def served(standin: Standin) -> int:
+    return standin.count('"POST /generate')
+
+
+def make_link(
+    client: httpx.AsyncClient,
+    router_url: str,
+    worker_url: str,
+    drain_timeout: float = 5.0,
+    **kw: Any,
+) -> tuple[RouterLink, Recorder, Metrics]:
+    cfg = RouterConfig(url=router_url, worker_url=worker_url, drain_timeout=drain_timeout)
+    log = Recorder()
+    metrics = Metrics(CollectorRegistry())
+    opts: dict[str, Any] = {
+        "request_timeout": 2.0,
+        "confirm_timeout": 3.0,
+        "recheck_interval": 0.2,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.3,
+        "poll_interval": 0.05,
+    }
+    opts.update(kw)
+    return RouterLink(cfg, client, log, metrics, **opts), log, metrics

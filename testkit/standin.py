@@ -14,19 +14,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 import psutil
 
-import testkit as kit
+from testkit.paths import REPO_ROOT
+from testkit.procs import alive
+from testkit.wait import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = "The server is fired up and ready to roll!"
 BOUND_LINE = "Uvicorn running on"
 DEADLINE = 15.0
+MODEL = "/models/kimi-k2.5-int4"
 
 # Fast but otherwise default timings; a test overrides what it is about.
 BASE_ENV = {
@@ -37,21 +38,9 @@ BASE_ENV = {
 }
 
 
-def wait_until(what: str, check: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    kit.wait_until(check, timeout, what)
-
-
 def gone(proc: psutil.Process) -> bool:
     """Exited (a zombie has exited too: nothing may reap an orphan here)."""
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(procs: Iterable[psutil.Process], timeout: float = DEADLINE) -> None:
-    procs = list(procs)
-    wait_until(f"{[p.pid for p in procs]} to exit", lambda: all(gone(p) for p in procs), timeout)
+    return not alive(proc)
 
 
 class Standin:
@@ -221,3 +210,35 @@ class Standin:
     def port_open(self) -> bool:
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+
+class Launcher:
+    """Starts stand-ins (`launcher(*flags)`: ready unless `ready=False`) and kills all of them,
+    orphans included, at `cleanup()` or the end of a `with` block."""
+
+    def __init__(self) -> None:
+        self.started: list[Standin] = []
+
+    def __call__(
+        self,
+        *flags: str,
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        ready: bool = True,
+    ) -> Standin:
+        port = port or free_port()
+        standin = Standin(["--model-path", MODEL, "--port", str(port), *flags], env or {}, port)
+        self.started.append(standin)
+        if ready:
+            standin.wait_ready()
+        return standin
+
+    def cleanup(self) -> None:
+        for standin in self.started:
+            standin.cleanup()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -36,6 +37,28 @@ def wait_until(
     if not came:
         raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
     return value
+
+
+async def wait_until_async(
+    cond: Callable[[], T],
+    timeout: float,
+    what: str = "condition",
+    interval: float = 0.02,
+    *,
+    in_thread: bool = False,
+) -> T:
+    """`wait_until` for a coroutine: the event loop keeps running between the checks.
+
+    `in_thread` runs a blocking predicate (an HTTP call, a file read) in a worker thread.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(cond) if in_thread else cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def poll(cond: Callable[[], T], timeout: float, interval: float = 0.02) -> tuple[bool, T]:

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from .conftest import SCHEDULER_EXCEPTION, Launch, Server, titled
+from testkit.conformance import SCHEDULER_EXCEPTION, Launch, Server, titled
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,8 @@ import asyncio
 import pytest
 
 from supervisor.config import ProbeConfig
-from tests.probe_hygiene import timed_out_probes_leave_nothing_running
-
-from .conftest import Server
+from testkit.conformance import Server
+from testkit.probe_hygiene import timed_out_probes_leave_nothing_running
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Server, titled
+from testkit.conformance import Server, titled
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from supervisor.gpu.sim import ENV_TAG
-from tests.gpu.gpu_helpers import Procs
+from testkit.gpu import Procs
 
 
 @pytest.fixture

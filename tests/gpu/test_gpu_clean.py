@@ -18,7 +18,7 @@ from supervisor.gpu import Kind, ProcFacts, clean, gather_facts
 from supervisor.gpu.nvml import GpuSnapshot, NvmlUnavailable
 from supervisor.gpu.sim import SimulatedNvml, simulated_uuid
 from supervisor.process.identity import ProcessIdentity, live_process
-from tests.gpu.gpu_helpers import Procs, gpus_cfg
+from testkit.gpu import Procs, gpus_cfg
 
 FAST = {"term_grace": 0.5, "poll": 0.02}
 

@@ -14,7 +14,7 @@ from supervisor.config import Config, parse
 from supervisor.gpu import owner_marker, run_gpu_clean
 from supervisor.gpu import sim as gpu_sim
 from supervisor.process.identity import LaunchRecord, ProcessIdentity, RecordStore, live_process
-from tests.gpu.gpu_helpers import Procs
+from testkit.gpu import Procs
 
 
 def config(state_dir: Path, gpus: str = "", timeout: str = "2s") -> Config:

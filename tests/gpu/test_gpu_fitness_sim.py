@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from supervisor.gpu.fitness_watch import Monitor
 from supervisor.gpu.nvml import NvmlUnavailable
 from supervisor.gpu.sim import SimulatedNvml, parse_health, simulated_uuid
 from supervisor.metrics import Metrics
+from testkit.wait import wait_until_async
 
 GPUS = 8
 
@@ -30,14 +30,6 @@ def sim(tmp_path: Path, spec: str = "", gpus: int = GPUS) -> tuple[SimulatedNvml
         health,
         xids,
     )
-
-
-async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def sample(m: Metrics, name: str, **labels: str) -> float | None:
@@ -132,7 +124,7 @@ async def test_watcher_reports_xids_per_gpu_and_restarts_only_when_needed(tmp_pa
         # An application's Xid on GPU 1: reported, no restart.
         with xids.open("a") as f:
             f.write("1:31\n")
-        await until("the first fault", lambda: len(posted) == 1)
+        await wait_until_async(lambda: len(posted) == 1, 10.0, "the first fault")
         assert posted[0] == GpuFault(
             f"GPU 1 ({simulated_uuid(1)}): Xid 31 (GPU memory page fault); "
             "the driver asks for no action",
@@ -145,7 +137,7 @@ async def test_watcher_reports_xids_per_gpu_and_restarts_only_when_needed(tmp_pa
         health.write_text("4:lost")
         with xids.open("a") as f:
             f.write("4:79\n")
-        await until("the second fault", lambda: len(posted) == 2)
+        await wait_until_async(lambda: len(posted) == 2, 10.0, "the second fault")
         assert posted[1].restart is True
         assert posted[1].line.startswith(f"GPU 4 ({simulated_uuid(4)}) needs a reboot")
         assert "last event Xid 79" in posted[1].line
@@ -176,19 +168,20 @@ async def test_a_gpu_unfit_with_no_event_is_reported_once_at_the_next_read(
     healthy = "kimi_serve_gpu_healthy"
     try:
         health.write_text("1:recovery=1")
-        await until("the first report", lambda: len(posted) == 1)
+        await wait_until_async(lambda: len(posted) == 1, 10.0, "the first report")
         assert posted[0].restart is True
         assert posted[0].line.startswith(f"GPU 1 ({simulated_uuid(1)}) needs a reset")
         assert mon.health_by_index()[1]["recovery_action"] != "none"
         # GPU 1 unfit as before is not news; GPU 0 newly unfit is (after many more reads).
         health.write_text("1:recovery=1,0:ecc=2")
-        await until("the second report", lambda: len(posted) == 2)
+        await wait_until_async(lambda: len(posted) == 2, 10.0, "the second report")
         assert "GPU 0" in posted[1].line and "2 uncorrectable ECC error(s)" in posted[1].line
         # Fit again: /status and the metric say so without an event; nothing is posted.
         health.write_text("")
-        await until(
-            "GPU 1 healthy again",
+        await wait_until_async(
             lambda: sample(m, healthy, gpu="1", UUID=simulated_uuid(1)) == 1,
+            10.0,
+            "GPU 1 healthy again",
         )
         assert mon.health_by_index()[0]["ok"] is True and len(posted) == 2
     finally:

@@ -13,7 +13,7 @@ from supervisor.gpu.sim import SimulatedNvml, simulated_uuid
 from supervisor.metrics import Metrics
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import OWNER_ENV, ProcessIdentity, live_process
-from tests.gpu.gpu_helpers import Procs, gpus_cfg
+from testkit.gpu import Procs, gpus_cfg
 
 GPUS = 4
 # Unique per run: the marker scan looks at every process on the machine.

@@ -15,7 +15,7 @@ import pytest
 from supervisor.gpu import sim as gpu_sim
 from supervisor.gpu.nvml import GiB, MiB, NvmlUnavailable, PynvmlNvml
 from supervisor.gpu.sim import SimulatedNvml, gpus_of, open_nvml, simulated_uuid
-from tests.gpu.gpu_helpers import HOLDER, Procs
+from testkit.gpu import HOLDER, Procs
 
 
 class StubError(Exception):

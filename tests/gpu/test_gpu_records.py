@@ -22,8 +22,8 @@ from supervisor.gpu import sweep_leftovers
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import RECORD_FILE, ProcessIdentity, live_process
 from testkit import BIN
+from testkit.gpu import Procs
 from testkit.users import system_user
-from tests.gpu.gpu_helpers import Procs
 
 NOBODY = 65534
 # World-readable: an attacker knows the running boot's id as well as the daemon does.

@@ -14,7 +14,7 @@ import pytest
 
 from supervisor.gpu.sim import ENV_GPUS, ENV_MIB, ENV_TAG
 from testkit import base_config, running
-from tests.gpu.gpu_helpers import Procs
+from testkit.gpu import Procs
 
 pytestmark = pytest.mark.timeout(90)
 

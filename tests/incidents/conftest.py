@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.standin.conftest import Launcher
+from testkit.incidents import Spawn
+from testkit.standin import Launcher
 
 # A child stuck in a function whose name the tests look for in py-spy's dump. It prints its pid
 # once it is inside that function, so a test waits on that line, never on a sleep.
@@ -29,8 +26,6 @@ HUNG_CHILD = textwrap.dedent(
     wedged_in_all_reduce()
     """
 )
-
-Spawn = Callable[[], subprocess.Popen[str]]
 
 
 @pytest.fixture
@@ -65,34 +60,7 @@ def fake_py_spy(tmp_path: Path) -> Callable[[str], str]:
     return make
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); its state says it is gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.01)
-
-
-def kill_quietly(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def launch() -> Iterator[Launcher]:
-    launcher = Launcher()
-    yield launcher
-    launcher.cleanup()
+    with Launcher() as launcher:
+        yield launcher

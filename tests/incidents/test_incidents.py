@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import IncidentsConfig
 from supervisor.incidents import (
     INCIDENT_JSON,
     LOG_TAIL,
@@ -24,70 +23,7 @@ from supervisor.incidents import (
     IncidentStore,
     newest_crash_dump,
 )
-from supervisor.incidents.stacks import Capture, ProcessStack
-
-TRACEBACK = [
-    "[2026-12-01 03:12:09 TP0] Scheduler hit an exception: Traceback (most recent call last):",
-    '  File "/sgl/scheduler.py", line 2961, in run_scheduler_process',
-    "    scheduler.event_loop_overlap()",
-    "AttributeError: 'EAGLEWorkerV2' object has no attribute 'spec_disable_batch_threshold'",
-]
-STACK_TEXT = textwrap.dedent(
-    """\
-    Process 4242: sglang::scheduler_TP0
-    Python v3.11.7 (/usr/bin/python3.11)
-
-    Thread 4242 (active): "MainThread"
-        cuModuleLoadData (libcuda.so.1)
-        verify (sglang/srt/speculative/eagle_worker_v2.py:512)
-        event_loop_overlap (sglang/srt/managers/scheduler.py:1001)
-    """
-)
-
-
-def cfg(path: Path, **kw: int) -> IncidentsConfig:
-    base = {"keep": 20, "dump_timeout": 10, "max_bytes": 256 * 2**20, "min_free_bytes": 0}
-    base.update(kw)
-    return IncidentsConfig(
-        dir=str(path),
-        keep=base["keep"],
-        dump_timeout=float(base["dump_timeout"]),
-        max_bytes=base["max_bytes"],
-        min_free_bytes=base["min_free_bytes"],
-    )
-
-
-class Clock:
-    def __init__(self, start: float = 1_795_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        self.now += 61.0
-        return self.now
-
-
-def incident(
-    launch: int = 3, reason: str = "liveness_failed", stacks: str = STACK_TEXT
-) -> Incident:
-    cap = Capture(
-        stacks=(ProcessStack(4242, "sglang::scheduler_TP0", stacks, None, True, 0.4),),
-        seconds=0.41,
-        py_spy="/usr/bin/py-spy",
-    )
-    return Incident(
-        reason=reason,
-        detail="3 consecutive liveness probes failed (timeout)",
-        launch=launch,
-        profile="primary",
-        signal=9,
-        timings={"launched_at": 1_794_999_000.0, "ready_at": 1_794_999_600.0},
-        config_path="/etc/kimi-serve/kimi-serve.yaml",
-        config_digest="sha256:abc",
-        server_info={"version": "0.5.23", "speculative_algorithm": "EAGLE3", "tp_size": 8},
-        gpus=[{"index": 0, "uuid": "GPU-1", "memory_used_bytes": 1, "processes": []}],
-        log_tail=TRACEBACK,
-        capture=cap,
-    )
+from testkit.incidents import TRACEBACK, Clock, cfg, incident
 
 
 def test_one_directory_per_incident_private_and_complete(tmp_path: Path) -> None:
@@ -194,7 +130,7 @@ WRITER = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     from supervisor import incidents
-    from tests.incidents.test_incidents import cfg, incident
+    from testkit.incidents import cfg, incident
 
     real = incidents._write_file
     def slow(path, data):

@@ -17,9 +17,7 @@ from supervisor import cli
 from supervisor.admin import status_command as status
 from supervisor.incidents import Incident, IncidentStore
 from supervisor.incidents.stacks import capture
-
-from .conftest import Spawn
-from .test_incidents import TRACEBACK, Clock, cfg, incident
+from testkit.incidents import TRACEBACK, Clock, Spawn, cfg, incident
 
 KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
 

@@ -10,8 +10,7 @@ from pathlib import Path
 from supervisor import config
 from supervisor.incidents import stacks
 from supervisor.incidents.recorder import IncidentRecorder
-
-from .conftest import Spawn
+from testkit.incidents import Spawn
 
 
 def make(tmp_path: Path, extra: str = "") -> IncidentRecorder:

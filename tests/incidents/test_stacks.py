@@ -32,8 +32,7 @@ from supervisor.incidents.stacks import (
     render,
 )
 from testkit import wait_until
-
-from .conftest import Spawn, kill_quietly, pid_alive, wait_for
+from testkit.incidents import Spawn, kill_quietly, pid_alive
 
 # What py-spy 0.4 prints (seen here) when it is refused, and when the process is gone.
 EPERM_OUTPUT = """Error: Failed to get process executable name. Check that the process is running.
@@ -164,10 +163,10 @@ async def test_a_hanging_py_spy_is_killed_when_the_budget_is_spent(
     assert spent < budget + 1.0, spent
     started_pids = [int(p) for line in pids.read_text().split("\n") if line for p in line.split()]
     assert len(started_pids) == 4
-    wait_for(
-        "every fake py-spy and its child to be gone",
+    wait_until(
         lambda: not any(pid_alive(p) for p in started_pids),
-        timeout=2.0,
+        2.0,
+        "every fake py-spy and its child to be gone",
     )
     assert pid_alive(proc.pid)  # the capture never touches the target itself
 
@@ -215,7 +214,7 @@ def test_py_spy_alone_gets_the_capability() -> None:
     # program it starts (SGLang) has no ambient capability, py-spy started through _spawn has it.
     script = (
         "import subprocess, sys, tempfile\n"
-        "from supervisor import stacks\n"
+        "from supervisor.incidents import stacks\n"
         "stacks.confine()\n"
         "probe = ['grep', 'CapAmb', '/proc/self/status']\n"
         "plain = subprocess.run(probe, capture_output=True, text=True).stdout.split()[1]\n"

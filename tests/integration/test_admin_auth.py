@@ -6,32 +6,15 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from testkit import BIN, base_config, running
+from testkit import base_config, running
+from testkit.cli import kimi_serve
 
 pytestmark = pytest.mark.timeout(90)
-
-# Root without the capabilities that let it read any file: a stand-in for another local
-# user (the interpreter lives under /root here, which no other user may enter).
-NO_DAC = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
-
-
-def kimi_serve(*args: str, unprivileged: bool = False) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_SERVE_CONFIG", "NOTIFY_SOCKET")}
-    done = subprocess.run(
-        [*(NO_DAC if unprivileged else []), str(BIN), *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-    )
-    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
-    return done
 
 
 def test_the_commands_with_and_without_the_token(tmp_path: Path) -> None:

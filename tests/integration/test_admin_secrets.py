@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from testkit import base_config, running
-from tests.integration.test_admin_auth import kimi_serve
+from testkit.cli import kimi_serve
 
 pytestmark = pytest.mark.timeout(90)
 

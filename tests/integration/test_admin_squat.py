@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from testkit import base_config
+from testkit.cli import kimi_serve
 from testkit.daemon import DaemonProcess, reaped
-from tests.integration.test_admin_auth import kimi_serve
 
 pytestmark = [
     pytest.mark.timeout(90),

@@ -2,46 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.preflight.conftest import (  # noqa: F401 (the same session fixture and its timeout)
+from testkit.kubernetes import OVERLAYS, render
+from testkit.preflight import (  # noqa: F401 (the same session fixture and its timeout)
     pytest_collection_modifyitems,
     sglang_python,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-KUBERNETES = REPO_ROOT / "packaging" / "kubernetes"
-OVERLAYS = ("one-node", "multi-node")
-
-
-def kubectl() -> str:
-    """kubectl (its built-in kustomize renders the overlays offline; no cluster is contacted)."""
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.fail(
-            "kubectl not found: it renders the kustomize overlays (`kubectl kustomize`, no "
-            "cluster needed). Install it with `apt-get install kubectl`."
-        )
-    return path
-
-
-def render(overlay: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [kubectl(), "kustomize", str(KUBERNETES / overlay)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"kubectl kustomize {overlay} failed ({proc.returncode}):\n{proc.stderr}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
 @pytest.fixture(scope="session")

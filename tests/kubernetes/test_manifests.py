@@ -29,8 +29,8 @@ from supervisor import config
 from supervisor.config import Config
 from supervisor.sglang.argv import build
 from supervisor.sglang.options import run_sglang_parser
-
-from .conftest import KUBERNETES, OVERLAYS, REPO_ROOT, render
+from testkit.kubernetes import KUBERNETES, OVERLAYS, render
+from testkit.paths import REPO_ROOT
 
 # The oldest release the manifests use fields of (PodDisruptionBudget's
 # unhealthyPodEvictionPolicy is GA in 1.31), and the newest the validator ships schemas for.

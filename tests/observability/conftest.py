@@ -10,14 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RULES_FILE = REPO_ROOT / "etc" / "prometheus" / "kimi-serve-rules.yml"
-RULES_TEST_FILE = Path(__file__).resolve().parent / "kimi-serve-rules.test.yml"
-# Every promtool test file: the main one, and the rules over days at a coarser interval.
-RULES_TEST_FILES = sorted(Path(__file__).resolve().parent.glob("*.test.yml"))
-DASHBOARD_FILE = REPO_ROOT / "etc" / "grafana" / "kimi-serve.json"
-RUNBOOK_FILE = REPO_ROOT / "docs" / "runbook.md"
-GET_PROMTOOL = REPO_ROOT / "tools" / "get-promtool"
+from testkit.observability import (
+    DASHBOARD_FILE,
+    GET_PROMTOOL,
+    REPO_ROOT,
+    RULES_FILE,
+)
 
 
 @pytest.fixture(scope="session")
@@ -46,17 +44,6 @@ def promtool() -> Path:
     path = Path(done.stdout.strip().splitlines()[-1])
     assert path.is_file(), f"{GET_PROMTOOL} printed {path}, which is not a file"
     return path
-
-
-def run_promtool(promtool: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(promtool), *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from testkit import base_config, running
-from tests.observability.test_dashboard import (
+from testkit.observability import (
     PROMETHEUS_SERIES,
     dashboard_exprs,
+    metric_names,
     rules_exprs,
     series_from_exposition,
     unknown_names,
@@ -103,8 +104,6 @@ def test_dashboard_and_rules_only_query_live_series(
 
 
 def _names(expr: str) -> set[str]:
-    from tests.observability.test_dashboard import metric_names
-
     return {n for n in metric_names(expr) if n.startswith("sglang:")}
 
 

@@ -10,7 +10,6 @@ heading of docs/runbook.md, and that the unit tests cover every alert both ways.
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,21 +17,22 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import REPO_ROOT, RULES_FILE, RULES_TEST_FILES, RUNBOOK_FILE, run_promtool
+from testkit.observability import (
+    RULES_FILE,
+    RULES_TEST_FILES,
+    RUNBOOK_DEFAULT_URL,
+    RUNBOOK_FILE,
+    RUNBOOK_INSTALLED,
+    RUNBOOK_SITE_LABEL,
+    RUNBOOK_URL,
+    github_slug,
+    run_promtool,
+    runbook_anchors,
+    unknown_runbook_anchors,
+)
+from testkit.paths import REPO_ROOT
 
 SEVERITIES = {"critical", "warning", "info"}
-
-# Where the Debian package installs docs/runbook.md (packaging/debian/kimi-serve.docs, by
-# dh_installdocs, left uncompressed by debian/rules), and so the link when the Prometheus
-# server does not name the site's own copy in its external label `kimi_serve_runbook`.
-RUNBOOK_SITE_LABEL = "kimi_serve_runbook"
-RUNBOOK_INSTALLED = "/usr/share/doc/kimi-serve/runbook.md"
-RUNBOOK_DEFAULT_URL = f"file://{RUNBOOK_INSTALLED}"
-# Every alert's runbook_url: the site's runbook page, else the installed copy; then the anchor.
-RUNBOOK_URL = re.compile(
-    r"\{\{ or \$externalLabels\." + RUNBOOK_SITE_LABEL + r' "(?P<default>[^"]+)" \}\}'
-    r"#(?P<anchor>[a-z0-9_-]+)"
-)
 
 
 def test_promtool_check_rules(promtool: Path) -> None:
@@ -137,39 +137,6 @@ def test_restart_alerts_name_the_reason(alert_rules: list[dict[str, Any]]) -> No
 # --- runbook anchors -------------------------------------------------------------
 
 
-def github_slug(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading.
-
-    Lower case; drop everything but letters, digits, spaces, hyphens and
-    underscores (after removing inline markup); spaces become hyphens.
-    """
-    text = re.sub(r"`([^`]*)`", r"\1", heading)
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = text.strip().lower()
-    kept = []
-    for ch in text:
-        if ch in " -_" or unicodedata.category(ch)[0] in "LN":
-            kept.append(ch)
-    return "".join(kept).replace(" ", "-")
-
-
-def runbook_anchors(markdown: str) -> set[str]:
-    """Anchors of all ATX headings, with GitHub's -1, -2 suffixes for repeats."""
-    anchors: set[str] = set()
-    seen: Counter[str] = Counter()
-    in_fence = False
-    for line in markdown.splitlines():
-        if line.lstrip().startswith("```"):
-            in_fence = not in_fence
-            continue
-        match = None if in_fence else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if match:
-            slug = github_slug(match.group(1))
-            anchors.add(slug if seen[slug] == 0 else f"{slug}-{seen[slug]}")
-            seen[slug] += 1
-    return anchors
-
-
 @pytest.mark.parametrize(
     ("heading", "slug"),
     [
@@ -188,17 +155,6 @@ def test_github_slug(heading: str, slug: str) -> None:
 
 def test_runbook_anchors_number_repeats() -> None:
     assert runbook_anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
-
-
-def runbook_url_anchors(alert_rules: list[dict[str, Any]]) -> dict[str, str]:
-    """alert -> the anchor its runbook_url ends with."""
-    return {r["alert"]: r["annotations"]["runbook_url"].rsplit("#", 1)[1] for r in alert_rules}
-
-
-def unknown_runbook_anchors(alert_rules: list[dict[str, Any]], markdown: str) -> list[str]:
-    anchors = runbook_anchors(markdown)
-    found = runbook_url_anchors(alert_rules).items()
-    return [f"{alert}: #{anchor}" for alert, anchor in found if anchor not in anchors]
 
 
 def test_every_runbook_url_lands_on_a_heading(alert_rules: list[dict[str, Any]]) -> None:

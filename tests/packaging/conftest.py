@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from testkit.box import REPO_ROOT, Box, BoxUnavailable
-
-from .debbox import DPKG_DB, contain_dpkg, host_state
+from testkit.box import REPO_ROOT, Box, start_or_skip
+from testkit.debbox import DPKG_DB, contain_dpkg, host_state
 
 BUILD = REPO_ROOT / "packaging" / "build"
 BUILD_DEPS = ("dpkg-dev", "debhelper", "dh-virtualenv", "python3.11", "python3.11-venv", "lintian")
@@ -57,17 +56,14 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def deb_box(tmp_path: Path) -> Iterator[Box]:
-    """A booted box whose /usr, /etc, /opt and dpkg database are overlays (see debbox.py).
+    """A booted box whose /usr, /etc, /opt and dpkg database are overlays (see testkit/debbox.py).
 
     Killed after the test, which fails if the box changed the host's /tmp or /dev, or
-    anything of the host that installing kimi-serve would change (debbox.HostState).
+    anything of the host that installing kimi-serve would change (testkit.debbox.HostState).
     """
     before = host_state()
     booted = Box(tmp_path / "box", keep=[DPKG_DB])
-    try:
-        booted.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(booted)
     try:
         contain_dpkg(booted)
         yield booted

@@ -3,7 +3,7 @@
 `test_install_start_upgrade_stop_remove_purge` installs the .deb with `dpkg -i` inside the
 systemd box, as on a server: the unit file, user and config the package installs are
 used as installed, with no test drop-in. The box's /usr, /etc, /opt and dpkg database
-are overlays (debbox.py), so the host is untouched; the test checks that on the host
+are overlays (testkit/debbox.py), so the host is untouched; the test checks that on the host
 before and after. The daemon runs the SGLang stand-in from the package's own
 environment (`sglang.python: /opt/kimi-serve/bin/python`, `module: supervisor.standin`).
 
@@ -27,14 +27,13 @@ import yaml
 from packaging.requirements import Requirement
 
 from testkit import base_config
-from testkit.box import REPO_ROOT, Box, BoxUnavailable
-from tests.observability.test_rules import (
+from testkit.box import REPO_ROOT, Box, start_or_skip
+from testkit.debbox import DPKG_DB, HostState, NotContained, check_contained, host_state, in_box, ok
+from testkit.observability import (
     RUNBOOK_DEFAULT_URL,
     RUNBOOK_INSTALLED,
     unknown_runbook_anchors,
 )
-
-from .debbox import DPKG_DB, HostState, NotContained, check_contained, host_state, in_box, ok
 
 UNIT = "kimi-serve.service"
 CONFIG = "/etc/kimi-serve/kimi-serve.yaml"
@@ -334,10 +333,7 @@ def test_host_state_sees_an_installed_package() -> None:
 def test_a_box_without_the_overlays_is_refused(tmp_path: Path) -> None:
     """check_contained() stops before any write when the overlays are missing."""
     box = Box(tmp_path / "box", keep=[DPKG_DB])
-    try:
-        box.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(box)
     try:
         with pytest.raises(NotContained, match="/var/lib/dpkg is not an overlay"):
             check_contained(box)

@@ -21,8 +21,8 @@ from supervisor.preflight import (
     run_checks,
 )
 from supervisor.sglang.argv import build
-
-from .conftest import MakeConfig, free_port
+from testkit.preflight import MakeConfig
+from testkit.wait import free_port
 
 
 @pytest.fixture

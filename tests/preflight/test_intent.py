@@ -19,9 +19,9 @@ from supervisor.config import load
 from supervisor.sglang.argv import LaunchSpec, build
 from supervisor.sglang.intent import Mismatch, compare, expected_server_args, unknown_fields
 from testkit import free_port
+from testkit.paths import REPO_ROOT
+from testkit.preflight import MakeConfig
 from testkit.standin import Standin
-
-from .conftest import REPO_ROOT, MakeConfig
 
 
 @pytest.fixture(scope="module")

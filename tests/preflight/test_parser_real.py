@@ -20,8 +20,8 @@ from supervisor.preflight import EX_CONFIG, Check, run_checks
 from supervisor.sglang import options as sglang
 from supervisor.sglang.argv import build
 from supervisor.sglang.options import run_sglang_parser
-
-from .conftest import REPO_ROOT, MakeConfig, model_dir
+from testkit.paths import REPO_ROOT
+from testkit.preflight import MakeConfig, model_dir
 
 # Generous for a loaded 2-core CI machine; a warm run takes ~2 s for all profiles at once.
 SECONDS = 20.0

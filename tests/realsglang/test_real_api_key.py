@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.realsglang import server as real
-from tests.realsglang.conftest import LOAD_TIMEOUT, Real, daemon_config, real_daemon
+from testkit import realsglang as real
+from testkit.realsglang import LOAD_TIMEOUT, Real, daemon_config, real_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 # Two cores shared with other work: a launch took over 4 minutes under a load average of 9.

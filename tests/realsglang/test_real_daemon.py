@@ -25,15 +25,15 @@ import pytest
 
 from supervisor.sglang.logscan import READY_LINE
 from supervisor.sglang.probe import parse_progress
-from tests.realsglang import server as real
-from tests.realsglang.conftest import (
+from testkit import realsglang as real
+from testkit.daemon import log_time
+from testkit.realsglang import (
     LOAD_TIMEOUT,
     PROBE_TOKENS,
     Real,
-    alive,
+    alive_pids,
     daemon_config,
     generate,
-    log_time,
     real_daemon,
     report,
 )
@@ -347,7 +347,7 @@ def test_sigkill_of_a_process_of_the_launch(served: Real, title: str) -> None:
         # zombie, and SGLang's own subprocess watcher may reap it first. Then the signal is
         # unknown and reported as such, never guessed (docs/sglang.md, "Processes").
         assert last["signal"] in (9, None) and restart["signal"] in (9, None)
-    assert not alive(old), f"processes of the old launch alive: {alive(old)}"
+    assert not alive_pids(old), f"processes of the old launch alive: {alive_pids(old)}"
     assert status["state"] == "ready" and status["child"]["pid"] not in old
     # The downtime of this real restart: from leaving ready to ready again, at least the
     # relaunch's own load, and in the histogram.
@@ -391,7 +391,7 @@ def test_reload_with_a_changed_flag_relaunches(served: Real) -> None:
     restarting = served.d.wait_state("restarting", 120)
     assert restarting["reason"] == "reload"
     served.wait_ready()
-    assert not alive(old)
+    assert not alive_pids(old)
     info = httpx.get(served.sglang_url + "/server_info", timeout=10).json()
     assert info["max_running_requests"] == 3
     assert served.d.status()["last_restart"]["reason"] == "reload"
@@ -409,7 +409,7 @@ def test_sigterm_drains_and_leaves_nothing(served: Real) -> None:
     took = time.monotonic() - t0
     report("SIGTERM -> daemon exit", took)
     assert code == 0 and took < drain
-    assert not alive(old)
+    assert not alive_pids(old)
     with socket.socket() as s:  # the port is free again (as SGLang binds it: SO_REUSEADDR)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", served.d.cfg["sglang"]["port"]))

@@ -28,10 +28,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import LoadGenerator
+from testkit import realsglang as real
 from testkit.fleet import ListWatch, event_time, registered
+from testkit.realsglang import LOAD_TIMEOUT, Real, daemon_config, real_daemon
 from testkit.router import RouterProcess, router_available
-from tests.realsglang import server as real
-from tests.realsglang.conftest import LOAD_TIMEOUT, Real, daemon_config, real_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.realsglang import server as real
-from tests.realsglang.conftest import LOAD_TIMEOUT, alive, daemon_config, real_daemon, until
+from testkit import realsglang as real
+from testkit import wait_until
+from testkit.realsglang import LOAD_TIMEOUT, alive_pids, daemon_config, real_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,7 +31,9 @@ def test_the_seed_incident_is_never_ready_and_restarts_as_fatal_log(
         r.d.wait_state("loading", 60)
         # Every process of the launch, once the daemon has recorded them all (main, resource
         # tracker, scheduler, detokenizer).
-        until(lambda: len(r.d.status()["child"]["processes"]) >= 4, LOAD_TIMEOUT, "workers")
+        wait_until(
+            lambda: len(r.d.status()["child"]["processes"]) >= 4, LOAD_TIMEOUT, "workers", 0.05
+        )
         launch = list(r.d.status()["child"]["processes"])
         restart = r.d.wait_for(
             lambda e: e.get("event") == "sglang restart", LOAD_TIMEOUT, "the first restart"
@@ -50,4 +53,4 @@ def test_the_seed_incident_is_never_ready_and_restarts_as_fatal_log(
         assert restart["reason"] == "fatal_log"
         # SGLang's killpg took the whole group down by signal 9; the restart says so too.
         assert (last["exit_code"], last["signal"]) == (None, 9)
-        assert not alive(launch)
+        assert not alive_pids(launch)

@@ -33,8 +33,9 @@ import pytest
 from supervisor.daemon.quality_watch import ask
 from supervisor.quality import compare
 from supervisor.quality.golden import CanaryStore
-from tests.realsglang import server as real
-from tests.realsglang.conftest import Real, daemon_config, generate, log_time, real_daemon, report
+from testkit import realsglang as real
+from testkit.daemon import log_time
+from testkit.realsglang import Real, daemon_config, generate, real_daemon, report
 
 pytestmark = pytest.mark.timeout(1500)
 

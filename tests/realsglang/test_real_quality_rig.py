@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.realsglang import server as real
+from testkit import realsglang as real
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.observability.test_dashboard import series_from_exposition
-from tests.realsglang import server as real
-from tests.realsglang.conftest import daemon_config, real_daemon, report
+from testkit import realsglang as real
+from testkit.observability import series_from_exposition
+from testkit.realsglang import daemon_config, real_daemon, report
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.rig import RESULTS
+from testkit.reliability import RESULTS
 
 REPORT_ENV = "KIMI_SERVE_RELIABILITY_REPORT"
 

@@ -5,7 +5,7 @@
     KIMI_SERVE_RELIABILITY_REPEAT=20 KIMI_SERVE_RELIABILITY_SOAK=5 \\
         .venv/bin/python -m tests.reliability.report        # a soak
 
-Every test of the suite records one line per injected fault (tests/reliability/rig.py,
+Every test of the suite records one line per injected fault (testkit/reliability.py,
 `trial()`); conftest.py writes them to $KIMI_SERVE_RELIABILITY_REPORT at the end of the session.
 """
 

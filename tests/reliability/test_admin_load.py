@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.rig import (
+from testkit.reliability import (
     MAX_WATCHDOG_GAP_S,
     Run,
     config,

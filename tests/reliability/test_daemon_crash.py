@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,8 @@ import pytest
 
 from supervisor.process.identity import RECORD_FILE, LaunchRecord, ProcessIdentity, RecordStore
 from testkit import base_config, free_port
-from tests.reliability.rig import Trial, is_alive, is_event, is_state, supervised, trial
+from testkit.reliability import Trial, is_alive, is_event, is_state, supervised, trial
+from testkit.wait import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -32,13 +32,6 @@ def _recorded(state_dir: Path) -> set[int]:
     except (OSError, ValueError):
         return set()
     return {int(p["pid"]) for p in doc.get("processes", [])}
-
-
-def _wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _second_daemon_sweeps(
@@ -75,7 +68,7 @@ def test_sigkill_of_the_daemon_while_loading(tmp_path: Path) -> None:
     with trial("daemon crashes", case) as t, supervised(first, cfg, t) as run:
         run.d.wait_state("loading")
         # The scheduler and detokenizer children are recorded as they appear.
-        _wait(lambda: len(_recorded(state_dir)) >= 4, 10, "the children in the record")
+        wait_until(lambda: len(_recorded(state_dir)) >= 4, 10, "the children in the record", 0.05)
         old = [psutil.Process(pid) for pid in _recorded(state_dir)]
         run.d.proc.kill()
         run.d.proc.wait(5)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from testkit import BIN, base_config, kill_owned, owned_processes
-from tests.reliability.rig import (
+from testkit.reliability import (
     MAX_WATCHDOG_GAP_S,
     is_event,
     is_state,

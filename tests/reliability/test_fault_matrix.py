@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from supervisor.standin.faults import FAULTS
-from tests.reliability.rig import (
+from testkit.reliability import (
     MAX_WATCHDOG_GAP_S,
     Run,
     Segment,

@@ -31,7 +31,8 @@ from supervisor.config import ProbeConfig
 from supervisor.daemon import probing
 from supervisor.sglang import endpoints
 from supervisor.sglang.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
-from tests.reliability.rig import soak_factor, trial
+from testkit.loopback import read_request
+from testkit.reliability import soak_factor, trial
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,13 +91,7 @@ class Server:
         assert task is not None
         self.tasks.add(task)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
+            await read_request(reader)
             self.requests += 1
             behaviour = (
                 self.behaviours.popleft() if len(self.behaviours) > 1 else self.behaviours[0]

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from testkit import free_port, owned_processes
-from tests.reliability.rig import (
+from testkit.reliability import (
     MAX_WATCHDOG_GAP_S,
     RESULTS,
     Run,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from testkit.router import RouterProcess, router_available
-from tests.standin.conftest import Launcher
+from testkit.standin import Launcher
 
 if not router_available():
     pytest.skip(
@@ -27,6 +27,5 @@ def router() -> Iterator[RouterProcess]:
 
 @pytest.fixture
 def launch() -> Iterator[Launcher]:
-    launcher = Launcher()
-    yield launcher
-    launcher.cleanup()
+    with Launcher() as launcher:
+        yield launcher

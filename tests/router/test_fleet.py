@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from testkit.fleet import (
     worker_url,
 )
 from testkit.router import RouterProcess
+from testkit.wait import wait_until_async
 
 pytestmark = pytest.mark.slow
 
@@ -46,18 +46,11 @@ def fleet_router() -> Iterator[RouterProcess]:
     proc.cleanup()
 
 
-async def until(what: str, check: object, timeout: float = 30.0) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(check):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def ready_and_registered(d: DaemonProcess, timeout: float = 30.0) -> None:
     await asyncio.to_thread(d.wait_state, "ready", timeout)
-    await until("registered", lambda: registered(d), timeout)
+    await wait_until_async(
+        lambda: registered(d), timeout, "registered", interval=0.05, in_thread=True
+    )
 
 
 async def more(load: LoadGenerator, n: int) -> None:
@@ -75,10 +68,12 @@ async def unlisted_within_liveness(
 ) -> float:
     """Wait for the replica to leave the router's list after `knew` (when kimi-serve knew);
     it must have left within one liveness interval. Returns when it left."""
-    await until(
-        what,
+    await wait_until_async(
         lambda: watch.first_unlisted_after(worker_url(cfg), knew) is not None,
         LIVENESS_S + 5,
+        what,
+        interval=0.05,
+        in_thread=True,
     )
     out = watch.first_unlisted_after(worker_url(cfg), knew)
     assert out is not None and out - knew <= LIVENESS_S, (out, knew)
@@ -173,7 +168,9 @@ async def test_killed_and_hung_sglang_leave_the_list_and_get_nothing(
             assert hung_after == [], f"{len(hung_after)} user requests reached the hung B"
 
             # SIGKILL of A's SGLang: kimi-serve knows at once (the child's exit).
-            await until("B registered again", lambda: registered(b))
+            await wait_until_async(
+                lambda: registered(b), 30.0, "B registered again", interval=0.05, in_thread=True
+            )
             await more(load, 10)
             mark = len(a.seen)
             a_pid = await asyncio.to_thread(a.sglang_pid)
@@ -185,7 +182,9 @@ async def test_killed_and_hung_sglang_leave_the_list_and_get_nothing(
             ready = await asyncio.to_thread(a.wait_state, "ready", 30)
             before_verified = [t for t in user_arrivals(a_cfg) if knew < t < event_time(ready)]
             assert before_verified == [], "user requests reached A's new launch before ready"
-            await until("A registered again", lambda: registered(a))
+            await wait_until_async(
+                lambda: registered(a), 30.0, "A registered again", interval=0.05, in_thread=True
+            )
             await more(load, 10)
         finally:
             await load.stop()
@@ -207,7 +206,9 @@ async def test_seed_incident_launch_gets_no_user_request(
                 ready = await asyncio.to_thread(b.wait_state, "ready", 60)
                 assert "restarting" in b.states(), "the first launch failed its decode probe"
                 verified = event_time(ready)
-                await until("registered", lambda: registered(b))
+                await wait_until_async(
+                    lambda: registered(b), 30.0, "registered", interval=0.05, in_thread=True
+                )
                 await more(load, 20)
                 arrivals = user_arrivals(b_cfg)
                 early = [t for t in arrivals if t < verified]
@@ -226,15 +227,25 @@ async def test_router_down_then_up_registers_again(tmp_path: Path) -> None:
         with replicas((tmp_path / "a", cfg)) as (a,):
             await ready_and_registered(a)
             router.kill()
-            await until(
-                "the link notices",
+            await wait_until_async(
                 lambda: "cannot connect" in str((a.status()["router"] or {})["last_error"]),
                 15,
+                "the link notices",
+                interval=0.05,
+                in_thread=True,
             )
             assert a.status()["state"] == "ready"
             router = RouterProcess(ROUTER_FLAGS, port=port).start()
-            await until("listed by the new router", lambda: worker_url(cfg) in router.urls(), 30)
-            await until("registered", lambda: registered(a), 10)
+            await wait_until_async(
+                lambda: worker_url(cfg) in router.urls(),
+                30,
+                "listed by the new router",
+                interval=0.05,
+                in_thread=True,
+            )
+            await wait_until_async(
+                lambda: registered(a), 10, "registered", interval=0.05, in_thread=True
+            )
             assert a.status()["state"] == "ready"
     finally:
         router.cleanup()
@@ -266,6 +277,8 @@ async def test_drain_and_undrain_commands(fleet_router: RouterProcess, tmp_path:
         assert a.get("/readyz").status_code == 503
         undrained = await asyncio.to_thread(cli, a, "undrain")
         assert undrained.returncode == 0, undrained.stdout + undrained.stderr
-        await until("registered again", lambda: registered(a))
+        await wait_until_async(
+            lambda: registered(a), 30.0, "registered again", interval=0.05, in_thread=True
+        )
         assert worker_url(cfg) in fleet_router.urls()
         assert a.get("/readyz").status_code == 200

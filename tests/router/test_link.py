@@ -4,77 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
-from supervisor.config import RouterConfig
 from supervisor.metrics import Metrics
-from supervisor.router import RouterLink
-from testkit.router import RouterProcess, free_port
-from testkit.standin import Standin
-from tests.standin.conftest import Launcher
-
-GENERATE = {"text": "Say hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-
-
-class Recorder:
-    """A structlog-shaped logger that keeps what it was told."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.lines.append((event, kw))
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self.lines.append((event, kw))
-
-    def errors(self) -> list[str]:
-        return [str(kw.get("error")) for e, kw in self.lines if e == "router call failed"]
-
-
-async def until(what: str, check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def served(standin: Standin) -> int:
-    return standin.count('"POST /generate')
+from testkit.router import GENERATE, RouterProcess, free_port, make_link, served
+from testkit.standin import Launcher
+from testkit.wait import wait_until_async
 
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(trust_env=False) as c:
         yield c
-
-
-def make_link(
-    client: httpx.AsyncClient,
-    router_url: str,
-    worker_url: str,
-    drain_timeout: float = 5.0,
-    **kw: Any,
-) -> tuple[RouterLink, Recorder, Metrics]:
-    cfg = RouterConfig(url=router_url, worker_url=worker_url, drain_timeout=drain_timeout)
-    log = Recorder()
-    metrics = Metrics(CollectorRegistry())
-    opts: dict[str, Any] = {
-        "request_timeout": 2.0,
-        "confirm_timeout": 3.0,
-        "recheck_interval": 0.2,
-        "backoff_initial": 0.05,
-        "backoff_max": 0.3,
-        "poll_interval": 0.05,
-    }
-    opts.update(kw)
-    return RouterLink(cfg, client, log, metrics, **opts), log, metrics
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -91,7 +35,7 @@ async def test_register_routes_traffic_then_deregister_removes_it(
     link, _log, metrics = make_link(client, router.url, url)
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         assert url in router.urls()
         wid = link.status()["worker_id"]
         assert wid in [w["id"] for w in router.workers()]
@@ -101,7 +45,9 @@ async def test_register_routes_traffic_then_deregister_removes_it(
         for _ in range(5):
             r = await client.post(router.url + "/generate", json=GENERATE, timeout=10)
             assert r.status_code == 200, r.text
-        await until("the replica to log 5 requests", lambda: served(replica) == before + 5)
+        await wait_until_async(
+            lambda: served(replica) == before + 5, 15.0, "the replica to log 5 requests"
+        )
 
         task = link.begin_deregister("test", wait_idle=True)
         result = await link.settled()
@@ -131,13 +77,15 @@ async def test_two_replicas_share_traffic_and_a_deregistered_one_gets_none(
     try:
         la.want_registered()
         lb.want_registered()
-        await until("both registered", lambda: la.state.registered and lb.state.registered)
+        await wait_until_async(
+            lambda: la.state.registered and lb.state.registered, 15.0, "both registered"
+        )
         await lb.begin_deregister("restart")
         before_a, before_b = served(a), served(b)
         for _ in range(10):
             r = await client.post(router.url + "/generate", json=GENERATE, timeout=10)
             assert r.status_code == 200
-        await until("a served all 10", lambda: served(a) == before_a + 10)
+        await wait_until_async(lambda: served(a) == before_a + 10, 15.0, "a served all 10")
         assert served(b) == before_b
     finally:
         for link in (la, lb):
@@ -152,13 +100,15 @@ async def test_vanished_id_is_registered_again(
     link, log, metrics = make_link(client, router.url, replica.url(""))
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         old = link.state.worker_id
         # Someone else removes it behind our back.
         r = await client.delete(f"{router.url}/workers/{old}")
         assert r.status_code == 202
-        await until(
-            "a new id", lambda: link.state.registered and link.state.worker_id not in (None, old)
+        await wait_until_async(
+            lambda: link.state.registered and link.state.worker_id not in (None, old),
+            15.0,
+            "a new id",
         )
         assert any("no longer lists worker id" in e for e in log.errors()), log.lines
         assert link.state.worker_id in [w["id"] for w in router.workers()]
@@ -176,17 +126,20 @@ async def test_router_down_then_up_registers_again(
     link, _log, metrics = make_link(client, own.url, replica.url(""))
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         old = link.state.worker_id
         own.kill()
-        await until("the failure noticed", lambda: link.state.last_error is not None)
+        await wait_until_async(
+            lambda: link.state.last_error is not None, 15.0, "the failure noticed"
+        )
         assert "cannot connect" in (link.state.last_error or ""), link.state.last_error
         # Supervision is not held up: a deregistration against a dead router ends, bounded.
         began = time.monotonic()
         own.start()  # same port; it has forgotten every worker
-        await until(
-            "registered with the restarted router",
+        await wait_until_async(
             lambda: link.state.registered and replica.url("") in own.urls(),
+            15.0,
+            "registered with the restarted router",
         )
         assert link.state.worker_id != old
         assert time.monotonic() - began < 10
@@ -243,11 +196,13 @@ async def test_drain_waits_for_in_flight_requests(
     link, _, _ = make_link(client, router.url, replica.url(""), drain_timeout=10)
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         request = asyncio.ensure_future(
             client.post(router.url + "/generate", json=GENERATE, timeout=20)
         )
-        await until("the request running", lambda: replica.metric("sglang:num_running_reqs") > 0)
+        await wait_until_async(
+            lambda: replica.metric("sglang:num_running_reqs") > 0, 15.0, "the request running"
+        )
         link.begin_deregister("restart", wait_idle=True)
         result = await link.settled()
         assert result is not None and result.idle, result
@@ -266,7 +221,9 @@ async def test_drain_gives_up_at_drain_timeout(
     link, _, metrics = make_link(client, router.url, replica.url(""), drain_timeout=0.6)
     try:
         hung = asyncio.ensure_future(client.post(replica.url("/generate"), json=GENERATE))
-        await until("the request running", lambda: replica.metric("sglang:num_running_reqs") > 0)
+        await wait_until_async(
+            lambda: replica.metric("sglang:num_running_reqs") > 0, 15.0, "the request running"
+        )
         began = time.monotonic()
         result = await link.drain_idle()
         assert 0.6 <= time.monotonic() - began < 2.0
@@ -295,13 +252,16 @@ async def test_a_removal_lost_by_the_router_is_caught_by_the_keep_out_loop(
         await link.settled()
         replica = launch(port=port)
         # The router completes the pending addition: it reads /server_info of the worker.
-        await until("the router to add it", lambda: replica.count('"GET /server_info') > 0)
-        await until("it to be removed again", lambda: url not in router.urls())
-        await until(
-            "the removal logged",
+        await wait_until_async(
+            lambda: replica.count('"GET /server_info') > 0, 15.0, "the router to add it"
+        )
+        await wait_until_async(lambda: url not in router.urls(), 15.0, "it to be removed again")
+        await wait_until_async(
             lambda: any(
                 e.startswith("router lists this SGLang while it must not") for e, _ in log.lines
             ),
+            15.0,
+            "the removal logged",
         )
         before = served(replica)
         r = await client.post(router.url + "/generate", json=GENERATE, timeout=10)

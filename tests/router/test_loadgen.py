@@ -8,10 +8,10 @@ import httpx
 from aiohttp import web
 
 from bench.loadgen import CUT, STREAM_OK, LoadGenerator, stream_complete
-from testkit.router import RouterProcess
-from tests.standin.conftest import Launcher
-
-from .test_link import make_link, served, until
+from testkit.loopback import serve_app
+from testkit.router import RouterProcess, make_link, served
+from testkit.standin import Launcher
+from testkit.wait import wait_until_async
 
 
 async def test_plain_load_through_the_router_with_a_replica_taken_out_first(
@@ -25,7 +25,9 @@ async def test_plain_load_through_the_router_with_a_replica_taken_out_first(
         try:
             la.want_registered()
             lb.want_registered()
-            await until("both registered", lambda: la.state.registered and lb.state.registered)
+            await wait_until_async(
+                lambda: la.state.registered and lb.state.registered, 15.0, "both registered"
+            )
             await load.start()
             await load.wait_for(20)
             at = load.mark("b out")
@@ -43,7 +45,7 @@ async def test_plain_load_through_the_router_with_a_replica_taken_out_first(
     after = load.stats(since=at)
     assert after.sent >= 20 and after.ok == after.sent
     assert served(b) == b_count  # nothing reached b once it was out
-    await until("a's log to catch up", lambda: served(a) + served(b) >= stats.ok)
+    await wait_until_async(lambda: served(a) + served(b) >= stats.ok, 15.0, "a's log to catch up")
 
 
 def test_stream_complete_reads_sglangs_end_markers() -> None:
@@ -71,12 +73,7 @@ async def _sse(cut: bool) -> tuple[str, Callable[[], Awaitable[None]]]:
 
     app = web.Application()
     app.router.add_post("/generate", handler)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return f"http://127.0.0.1:{port}", runner.cleanup
+    return await serve_app(app)
 
 
 async def test_streams_cut_and_completed_are_told_apart() -> None:

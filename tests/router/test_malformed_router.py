@@ -16,8 +16,8 @@ from aiohttp import web
 
 from supervisor.config import RouterConfig
 from supervisor.router import RouterLink
-
-from .test_link import Recorder
+from testkit.loopback import serve_app
+from testkit.router import Recorder
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HTML = "<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
@@ -26,12 +26,7 @@ HTML = "<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
 async def serve(handler: Handler) -> tuple[str, Callable[[], Awaitable[None]]]:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return f"http://127.0.0.1:{port}", runner.cleanup
+    return await serve_app(app)
 
 
 @pytest.fixture

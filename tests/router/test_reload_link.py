@@ -22,10 +22,9 @@ from supervisor.metrics import Metrics
 from supervisor.router import RouterLink, close_link, link_for, relink
 from testkit.daemon import BIN, running
 from testkit.fleet import registered, replica_config, worker_url
-from testkit.router import RouterProcess
-from testkit.standin import Standin
-from tests.router.test_link import Recorder, until
-from tests.standin.conftest import Launcher
+from testkit.router import Recorder, RouterProcess
+from testkit.standin import Launcher, Standin
+from testkit.wait import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +58,19 @@ async def test_a_new_router_url_moves_the_registration(
     link = fresh_link(old, log, metrics)
     try:
         link.want_registered()
-        await until("registered with the first router", lambda: link.state.registered)
+        await wait_until_async(
+            lambda: link.state.registered, 15.0, "registered with the first router"
+        )
         first_id = link.status()["worker_id"]
         assert url in router.urls()
 
         new = cfg_for(replica, other_router.url)
         assert reload.router_only(old, new) and reload.judge(old, new).value == "unchanged"
         assert relink(link, new, log, metrics, ready=True) is link
-        await until("registered with the second router", lambda: url in other_router.urls())
-        await until("confirmed", lambda: link.state.registered)
+        await wait_until_async(
+            lambda: url in other_router.urls(), 15.0, "registered with the second router"
+        )
+        await wait_until_async(lambda: link.state.registered, 15.0, "confirmed")
         assert url not in router.urls()
         status = link.status()
         assert status["url"] == other_router.url and status["worker_id"] != first_id
@@ -101,13 +104,13 @@ async def test_a_move_that_comes_with_a_restart_waits_for_its_drain(
     link = fresh_link(cfg_for(replica, router.url), log, metrics)
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         new = cfg_for(replica, other_router.url, drain_timeout="7s")
         assert relink(link, new, log, metrics, ready=False) is link
         link.begin_deregister("reload", wait_idle=True)
         result = await link.settled()
         assert result is not None and result.idle, result
-        await until("moved", lambda: "router: moved" in [e for e, _ in log.lines])
+        await wait_until_async(lambda: "router: moved" in [e for e, _ in log.lines], 15.0, "moved")
         events = [e for e, _ in log.lines if e in ("router: deregistered", "router: moved")]
         assert events[:2] == ["router: deregistered", "router: moved"], log.lines
         assert link.cfg.url == other_router.url and link.cfg.drain_timeout == 7.0
@@ -116,7 +119,9 @@ async def test_a_move_that_comes_with_a_restart_waits_for_its_drain(
         assert url not in other_router.urls() and not link.state.registered
 
         link.want_registered()  # ready again after the restart
-        await until("registered with the new router", lambda: url in other_router.urls())
+        await wait_until_async(
+            lambda: url in other_router.urls(), 15.0, "registered with the new router"
+        )
         assert url not in router.urls()
     finally:
         await close_link(link)
@@ -131,7 +136,7 @@ async def test_drain_timeout_alone_applies_without_a_call(
     link = fresh_link(old, log, metrics)
     try:
         link.want_registered()
-        await until("registered", lambda: link.state.registered)
+        await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         wid = link.status()["worker_id"]
         new = cfg_for(replica, router.url, drain_timeout="42s")
         assert reload.router_only(old, new)
@@ -155,12 +160,14 @@ async def test_router_url_set_then_removed(router: RouterProcess, launch: Launch
     assert reload.router_only(without, with_router)
     link = relink(None, with_router, log, metrics, ready=True)
     assert link is not None
-    await until("registered at once (the machine is ready)", lambda: link.state.registered)
+    await wait_until_async(
+        lambda: link.state.registered, 15.0, "registered at once (the machine is ready)"
+    )
     assert url in router.urls()
 
     assert relink(link, without, log, metrics, ready=True) is None
-    await until("out of the router", lambda: url not in router.urls())
-    await until("the removed link is closed", lambda: link.client.is_closed)
+    await wait_until_async(lambda: url not in router.urls(), 15.0, "out of the router")
+    await wait_until_async(lambda: link.client.is_closed, 15.0, "the removed link is closed")
 
     # Set again while not ready: kept out until the machine says ready.
     again = relink(None, with_router, log, metrics, ready=False)
@@ -196,7 +203,7 @@ async def test_the_daemon_moves_between_routers_on_sighup_without_a_restart(
     url = worker_url(cfg)
     with running(tmp_path, cfg) as d:
         await asyncio.to_thread(d.wait_state, "ready", 30)
-        await until("registered with the first router", lambda: registered(d))
+        await wait_until_async(lambda: registered(d), 15.0, "registered with the first router")
         pid = await asyncio.to_thread(d.sglang_pid)
 
         cfg["router"]["url"] = other_router.url
@@ -207,8 +214,10 @@ async def test_the_daemon_moves_between_routers_on_sighup_without_a_restart(
             d.wait_for, lambda e: e.get("event") == "router: moved", 20, "router: moved"
         )
         assert moved["url"] == other_router.url and moved["removed_from_old"] is True
-        await until("listed by the second router", lambda: url in other_router.urls())
-        await until("registered", lambda: registered(d))
+        await wait_until_async(
+            lambda: url in other_router.urls(), 15.0, "listed by the second router"
+        )
+        await wait_until_async(lambda: registered(d), 15.0, "registered")
         status = await asyncio.to_thread(d.status)
         assert status["router"]["url"] == other_router.url
         assert url not in router.urls()
@@ -225,8 +234,12 @@ async def test_the_daemon_moves_between_routers_on_sighup_without_a_restart(
         del cfg["router"]
         d.config_path.write_text(yaml.safe_dump(cfg))
         d.signal(signal.SIGHUP)
-        await until("out of the second router", lambda: url not in other_router.urls())
-        await until("no router in /status", lambda: d.status()["router"]["url"] is None)
+        await wait_until_async(
+            lambda: url not in other_router.urls(), 15.0, "out of the second router"
+        )
+        await wait_until_async(
+            lambda: d.status()["router"]["url"] is None, 15.0, "no router in /status"
+        )
         assert d.status()["router"]["registered"] is False
         assert await asyncio.to_thread(d.sglang_pid) == pid
         assert d.states()[-1] == "ready"

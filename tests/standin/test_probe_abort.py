@@ -1,14 +1,13 @@
 """Timed-out probes are aborted inside the server (POST /abort_request with the probe's rid),
-against the stand-in; the same check runs against a real SGLang (tests/probe_hygiene.py)."""
+against the stand-in; the same check runs against a real SGLang (testkit/probe_hygiene.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from supervisor.config import ProbeConfig
-from tests.probe_hygiene import timed_out_probes_leave_nothing_running
-
-from .conftest import Launcher
+from testkit.probe_hygiene import timed_out_probes_leave_nothing_running
+from testkit.standin import Launcher
 
 HANG = {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": "0"}
 CFG = ProbeConfig(

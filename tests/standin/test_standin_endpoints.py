@@ -9,9 +9,7 @@ import re
 import httpx
 import pytest
 
-from testkit.standin import Standin
-
-from .conftest import MODEL, Launcher
+from testkit.standin import MODEL, Launcher, Standin
 
 SPEC_FLAGS = (
     "--tp-size",

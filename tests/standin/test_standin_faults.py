@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from testkit.standin import BOUND_LINE, READY_LINE, gone, wait_gone, wait_until
-
-from .conftest import Launcher
+from testkit import wait_gone, wait_until
+from testkit.standin import BOUND_LINE, DEADLINE, READY_LINE, Launcher, gone
 
 SPEC = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/draft")
 
@@ -53,7 +52,7 @@ def test_seed_incident(launch: Launcher) -> None:
     # kill_process_tree(include_parent=True): SGLang SIGKILLs itself.
     assert s.wait_exit() == -signal.SIGKILL
     assert time.monotonic() - crashed_at > 1.0, "SGLang lingers before it exits"
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_decode_500_with_health_200(launch: Launcher) -> None:
@@ -112,7 +111,7 @@ def test_exit_after(launch: Launcher) -> None:
     assert s.wait_exit() == 3
     assert time.monotonic() - ready_at > 0.2
     s.wait_line("fault exit-after")
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_crash_during_load(launch: Launcher) -> None:
@@ -126,7 +125,7 @@ def test_crash_during_load(launch: Launcher) -> None:
     s.wait_line("Exception: Capture cuda graph failed: CUDA out of memory.")
     s.wait_line("Received sigquit from a child process")
     assert s.count(BOUND_LINE) == 0
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_never_ready(launch: Launcher) -> None:
@@ -140,7 +139,7 @@ def test_never_ready(launch: Launcher) -> None:
     assert len(children) == 2
     s.signal(signal.SIGTERM)
     assert s.wait_exit() == 0
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_orphans_survive_the_parent_groups_sigkill(launch: Launcher) -> None:
@@ -155,7 +154,7 @@ def test_orphans_survive_the_parent_groups_sigkill(launch: Launcher) -> None:
     assert not [c for c in children if gone(c)]
     for child in children:
         child.kill()
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_normal_children_die_with_the_group(launch: Launcher) -> None:
@@ -163,7 +162,7 @@ def test_normal_children_die_with_the_group(launch: Launcher) -> None:
     children = s.children()
     os.killpg(s.proc.pid, signal.SIGKILL)
     assert s.wait_exit() == -signal.SIGKILL
-    wait_gone(children, timeout=5)
+    assert not wait_gone(children, 5)
 
 
 def test_ignore_sigterm(launch: Launcher) -> None:
@@ -179,7 +178,7 @@ def test_ignore_sigterm(launch: Launcher) -> None:
     assert s.count("SIGTERM received") == 0
     os.killpg(s.proc.pid, signal.SIGKILL)
     assert s.wait_exit() == -signal.SIGKILL
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_slow_decode_is_busy_not_dead(launch: Launcher) -> None:
@@ -187,15 +186,17 @@ def test_slow_decode_is_busy_not_dead(launch: Launcher) -> None:
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         slow = pool.submit(s.generate, 8, 15.0)
-        wait_until("the slow decode to run", lambda: s.metric("sglang:num_running_reqs") == 1)
+        wait_until(
+            lambda: s.metric("sglang:num_running_reqs") == 1, DEADLINE, "the slow decode to run"
+        )
         # The scheduler's realtime counter moves every batch; the tokenizer manager's
         # generation counter only when a request finishes (as in SGLang 0.5.23).
         tokens = s.metric("sglang:realtime_tokens_total", mode="decode")
         finished = s.metric("sglang:generation_tokens_total")
         wait_until(
-            "the realtime decode counter to advance",
             lambda: s.metric("sglang:realtime_tokens_total", mode="decode") > tokens,
-            timeout=1.0,
+            1.0,
+            "the realtime decode counter to advance",
         )
         assert s.metric("sglang:generation_tokens_total") == finished
         health_started = time.monotonic()
@@ -220,7 +221,7 @@ def test_cleanup_leaves_no_process_behind(launch: Launcher) -> None:
     children = s.children()
     launch.cleanup()
     assert s.proc.poll() is not None
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_force_shutdown_cuts_a_hung_drain_short(launch: Launcher) -> None:

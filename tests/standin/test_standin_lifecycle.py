@@ -11,10 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from testkit import free_port
-from testkit.standin import BOUND_LINE, READY_LINE, wait_gone, wait_until
-
-from .conftest import Launcher
+from testkit import free_port, wait_gone, wait_until
+from testkit.standin import BOUND_LINE, DEADLINE, READY_LINE, Launcher
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(launch: Launcher) -> None:
@@ -23,9 +21,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(launch: Launcher) -> Non
     assert len(children) == 3
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(s.generate, 300)  # about 1.5 s of decoding
-        wait_until("the long decode to run", lambda: s.metric("sglang:num_running_reqs") == 1)
+        wait_until(
+            lambda: s.metric("sglang:num_running_reqs") == 1, DEADLINE, "the long decode to run"
+        )
         s.signal(signal.SIGTERM)
-        wait_until("/health to say 503", lambda: s.get("/health").status_code == 503)
+        wait_until(lambda: s.get("/health").status_code == 503, DEADLINE, "/health to say 503")
         assert s.get("/ready").status_code == 503
         assert s.generate(2).status_code == 200  # SGLang still accepts requests while draining
         r = long.result(timeout=15)
@@ -33,7 +33,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(launch: Launcher) -> Non
     assert r.json()["meta_info"]["completion_tokens"] == 300
     assert s.wait_exit() == 0
     s.wait_line("Gracefully exiting... Remaining number of requests 0.")
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
     assert s.stdout == b"", "logs go to stderr only"
 
 
@@ -43,7 +43,7 @@ def test_children_die_when_the_parent_is_sigkilled(launch: Launcher) -> None:
     assert len(children) == 3
     s.signal(signal.SIGKILL)  # the parent alone, not its group
     assert s.wait_exit() == -signal.SIGKILL
-    wait_gone(children, timeout=5)
+    assert not wait_gone(children, 5)
 
 
 def test_health_is_503_until_warmed_up_and_sigint_exits_0(launch: Launcher) -> None:
@@ -57,7 +57,7 @@ def test_health_is_503_until_warmed_up_and_sigint_exits_0(launch: Launcher) -> N
     children = s.children()
     s.signal(signal.SIGINT)
     assert s.wait_exit() == 0
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_bind_failure_exits_1_after_loading(launch: Launcher) -> None:
@@ -72,7 +72,7 @@ def test_bind_failure_exits_1_after_loading(launch: Launcher) -> None:
     line = s.wait_line("error while attempting to bind on address")
     assert "[Errno 98]" in line and "address already in use" in line
     assert s.count("Load weight end") == 1, "like SGLang, it fails only after loading"
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_sigterm_while_loading_exits_0(launch: Launcher) -> None:
@@ -83,7 +83,7 @@ def test_sigterm_while_loading_exits_0(launch: Launcher) -> None:
     assert not s.port_open()
     s.signal(signal.SIGTERM)
     assert s.wait_exit() == 0
-    wait_gone(children)
+    assert not wait_gone(children, DEADLINE)
 
 
 def test_a_killed_scheduler_takes_the_main_process_down_after_five_seconds(

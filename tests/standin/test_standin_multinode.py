@@ -12,9 +12,7 @@ import psutil
 import pytest
 
 from testkit import free_port
-from testkit.standin import BOUND_LINE
-
-from .conftest import Launcher
+from testkit.standin import BOUND_LINE, Launcher
 
 
 def flags(rank: int, dist: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.box import Box, BoxUnavailable
+from testkit.box import Box, start_or_skip
 
 
 @pytest.fixture
@@ -17,10 +17,7 @@ def box(tmp_path: Path) -> Iterator[Box]:
     Skips, saying why, where a box cannot boot (not root, no unshare, no cgroup2).
     """
     booted = Box(tmp_path / "box")
-    try:
-        booted.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(booted)
     try:
         yield booted
     finally:

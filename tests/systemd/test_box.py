@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.box import Box, BoxUnavailable, HttpResult, exec_line, remove_cgroup
+from testkit.box import Box, HttpResult, exec_line, remove_cgroup, start_or_skip
 
 pytestmark = pytest.mark.systemd
 
@@ -226,10 +226,7 @@ def test_http_get_reaches_a_server_on_the_boxs_loopback(box: Box) -> None:
 def test_box_leaves_the_hosts_tmp_and_dev_alone(tmp_path: Path) -> None:
     """A unit writing /tmp (privately too), /dev/shm and /var/lib touches only the box."""
     box = Box(tmp_path / "box")
-    try:
-        box.start()
-    except BoxUnavailable as why:
-        pytest.skip(f"no systemd box on this host: {why}")
+    start_or_skip(box)
     name = f"scribble-{box.name}"
     try:
         box.install_unit(

@@ -1,7 +1,7 @@
 """kimi-serve under a real systemd, end to end: the shipped unit, the real daemon, the stand-in.
 
 Each test boots a box (box.py), installs units/kimi-serve.service with the test drop-in
-(kimi.py), points the daemon at the SGLang stand-in (testkit/daemon.py's
+(testkit/systemd.py), points the daemon at the SGLang stand-in (testkit/daemon.py's
 `base_config`) and drives it with systemctl, as an operator would. The box's systemd runs
 at debug log level, so the journal holds every sd_notify message systemd accepted; the
 tests read the order of events from there (journald's receive times) and from the daemon's
@@ -23,8 +23,7 @@ import yaml
 
 from testkit import base_config
 from testkit.box import Box
-
-from .kimi import (
+from testkit.systemd import (
     UNIT_NAME,
     JournalEntry,
     Notification,

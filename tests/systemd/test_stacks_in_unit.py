@@ -18,8 +18,7 @@ import pytest
 
 from supervisor.incidents.stacks import CAP_SYS_PTRACE, NO_PRIVILEGE
 from testkit.box import Box
-
-from .kimi import UNIT_NAME, install_kimi_serve
+from testkit.systemd import UNIT_NAME, install_kimi_serve
 
 DRIVER = Path(__file__).with_name("stack_driver.py")
 PTRACE = 1 << CAP_SYS_PTRACE

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from testkit.box import Box
-
-from .kimi import UNIT_FILE, UNIT_NAME, install_kimi_serve
+from testkit.systemd import UNIT_FILE, UNIT_NAME, install_kimi_serve
 
 EXAMPLE_DROPIN = UNIT_FILE.parent / f"{UNIT_NAME}.d" / "override.conf.example"
 NOTIFIER = Path(__file__).with_name("notifier.py")

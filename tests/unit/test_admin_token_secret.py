@@ -19,8 +19,8 @@ import yaml
 
 from supervisor import admin
 from supervisor import secret_files as admin_token
+from testkit.admin import Backend
 from testkit.daemon import BIN, base_config
-from tests.unit.test_admin import Backend
 
 KEY = "token"
 

@@ -28,7 +28,7 @@ from supervisor.core.machine import (
     TimerName,
     Transitioned,
 )
-from tests.unit.test_machine import LAUNCH_TIMERS, Drive, make_cfg, of, transitions
+from testkit.machine import LAUNCH_TIMERS, Drive, check_edge, edge_ids, make_cfg, of, transitions
 
 LINE = (
     "GPU 3 (GPU-51a11a7e-0000-4000-8000-000000000003) needs a reset: "
@@ -71,13 +71,9 @@ def test_every_fitness_edge_is_in_the_table() -> None:
     assert {old for old, new in EDGE_CASES if new is State.RESTARTING} == set(CHILD_STATES)
 
 
-@pytest.mark.parametrize(
-    "edge", list(EDGE_CASES), ids=[f"{a.value}->{b.value}" for a, b in EDGE_CASES]
-)
+@pytest.mark.parametrize("edge", list(EDGE_CASES), ids=edge_ids(EDGE_CASES))
 def test_edge(edge: tuple[State, State]) -> None:
-    got, expected = EDGE_CASES[edge]()
-    assert transitions(got)[0] == edge
-    assert got == expected
+    check_edge(EDGE_CASES, edge)
 
 
 def test_unfit_gpu_is_never_relaunched_until_an_operator_acts() -> None:

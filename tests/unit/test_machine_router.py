@@ -37,19 +37,8 @@ from supervisor.core.machine import (
     Transitioned,
     UndrainRequested,
 )
-
-from .test_machine import (
-    CFG,
-    CONFIGS,
-    SCHEDULER_EXCEPTION,
-    SETTINGS,
-    Drive,
-    Invariants,
-    _daemon_like_run,
-    failed_result,
-    make_cfg,
-    ok_result,
-)
+from testkit.machine import CFG, SCHEDULER_EXCEPTION, Drive, failed_result, make_cfg, ok_result
+from testkit.machine_runs import CONFIGS, SETTINGS, Invariants, daemon_like_run
 
 ROUTER = RouterConfig(url="http://10.0.0.5:30080", worker_url="http://10.0.0.7:30000")
 
@@ -262,8 +251,8 @@ class RouterInvariants(Invariants):
 
 @settings(SETTINGS, max_examples=60)
 @given(data=st.data(), cfg=st.sampled_from([routed(c) for c in CONFIGS]), steps=st.integers(1, 120))
-def test_daemon_like_runs_keep_the_router_invariants(data: Any, cfg: Config, steps: int) -> None:
-    world = _daemon_like_run(data, cfg, steps, RouterInvariants)
+def testdaemon_like_runs_keep_the_router_invariants(data: Any, cfg: Config, steps: int) -> None:
+    world = daemon_like_run(data, cfg, steps, RouterInvariants)
     assert isinstance(world.inv, RouterInvariants)
     assert not world.inv.wanted  # after the final stop
 

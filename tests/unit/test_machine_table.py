@@ -1,7 +1,7 @@
 """The event x state table in supervisor/core/machine.py's docstring is what the machine does.
 
 Each cell is computed by driving a fresh machine to the column's state (the scripted paths of
-test_machine.Drive) and sending the row's event for the current launch: the state it lands in,
+testkit.machine.Drive) and sending the row's event for the current launch: the state it lands in,
 `=` when it acts but stays, `.` when it ignores the event. The test parses the docstring's
 table and compares it cell by cell, and checks every edge it shows against `EDGES`.
 """
@@ -44,7 +44,7 @@ from supervisor.core.machine import (
     UndrainRequested,
     Verdict,
 )
-from tests.unit.test_machine import CFG, PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
+from testkit.machine import CFG, PID, SCHEDULER_EXCEPTION, Drive, failed_result, ok_result
 
 SPEC_FALLBACK_CFG = dataclasses.replace(
     CFG, quality=dataclasses.replace(CFG.quality, on_spec_collapse="fallback")

@@ -38,6 +38,7 @@ from supervisor.sglang.probe import (
     request_for,
 )
 from testkit import free_port
+from testkit.loopback import read_request
 
 PROMPT = "Say hello in one word"
 GENERATE = ProbeConfig("generate", PROMPT, max_tokens=8, timeout=5.0, expect_regex=None)
@@ -431,16 +432,6 @@ async def app_server(
 
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    return head + await reader.readexactly(length)
 
 
 @asynccontextmanager

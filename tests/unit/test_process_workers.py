@@ -28,6 +28,7 @@ from supervisor.process.identity import (
     session_members,
 )
 from supervisor.sglang.logscan import Stream
+from testkit.wait import wait_until_async
 
 SERVER = textwrap.dedent(
     """
@@ -86,8 +87,10 @@ class Owner:
 
     async def start(self, *extra: str) -> Child:
         child = self.owner.spawn(1, [sys.executable, str(self.script), *extra], {}, None)
-        await until(lambda: {"worker", "handler"} <= {ln.split()[0] for ln in self.lines if ln})
-        await until(lambda: self._refresh(child, "worker"))
+        await wait_until_async(
+            lambda: {"worker", "handler"} <= {ln.split()[0] for ln in self.lines if ln}, DEADLINE
+        )
+        await wait_until_async(lambda: self._refresh(child, "worker"), DEADLINE)
         return child
 
     def _refresh(self, child: Child, what: str) -> bool:
@@ -98,14 +101,6 @@ class Owner:
         async with asyncio.timeout(seconds):
             await self.event.wait()
         return self.ended[0]
-
-
-async def until(predicate: object, timeout: float = DEADLINE) -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def worker_of(child: Child) -> ProcessIdentity:
@@ -149,15 +144,18 @@ async def test_a_worker_that_exits_reports_its_exit_code(tmp_path: Path) -> None
 async def test_a_workers_own_helper_ending_with_0_is_not_a_death(tmp_path: Path) -> None:
     o = Owner(tmp_path)
     child = await o.start("helper")
-    await until(lambda: any(ln.startswith("helper ") for ln in o.lines))
+    await wait_until_async(lambda: any(ln.startswith("helper ") for ln in o.lines), DEADLINE)
     helper = int(next(ln for ln in o.lines if ln.startswith("helper ")).split()[1])
     # Seen (and watched, its command line is a spawn child's) while it runs.
-    await until(lambda: o._refresh(child, "spawn") and helper in {i.pid for i in child.watched})
-    await until(lambda: "helper-done 0" in o.lines)
+    await wait_until_async(
+        lambda: o._refresh(child, "spawn") and helper in {i.pid for i in child.watched}, DEADLINE
+    )
+    await wait_until_async(lambda: "helper-done 0" in o.lines, DEADLINE)
     worker = worker_of(child)
     # Its end was judged: the pidfd callback ran (the watch of a dead pid is closed).
-    await until(
-        lambda: not psutil.pid_exists(helper) or live_process(_ident(child, helper)) is None
+    await wait_until_async(
+        lambda: not psutil.pid_exists(helper) or live_process(_ident(child, helper)) is None,
+        DEADLINE,
     )
     for _ in range(5):
         await asyncio.sleep(0)  # let the loop run the pidfd callback it has pending
@@ -214,7 +212,7 @@ async def test_a_transient_helper_is_not_watched(tmp_path: Path) -> None:
         o.owner.refresh_tree(child)
         return any(live_process(i) is None for i in child.known)
 
-    await until(helper_gone)
+    await wait_until_async(helper_gone, DEADLINE)
     assert not o.ended and child.alive()
     await o.owner.stop(child, graceful=False, drain_timeout=0)
 
@@ -230,7 +228,7 @@ async def test_the_session_finds_a_member_without_the_marker(tmp_path: Path) -> 
                 return i
         return None
 
-    await until(lambda: escapee() is not None)
+    await wait_until_async(lambda: escapee() is not None, DEADLINE)
     found = escapee()
     assert found is not None
     assert found not in set(o.owner.marked_processes())  # the marker alone misses it

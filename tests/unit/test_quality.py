@@ -31,7 +31,7 @@ from supervisor.core.machine import (
 )
 from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
-from tests.unit.test_machine import CFG, FALLBACK, Drive, make_cfg, ok_result
+from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result
 
 
 def answer(tokens: list[int], margins: list[float | None], top2: list[int] | None = None) -> Answer:

@@ -1,7 +1,7 @@
 """Test-only fault injection into the real SGLang 0.5.23 server, switched by KIMI_TEST_FAULT.
 
 This directory is put on PYTHONPATH of a real SGLang server started by
-tests/realsglang/server.py, so Python imports this module in every process of the launch (the
+testkit/realsglang.py, so Python imports this module in every process of the launch (the
 main process and its multiprocessing "spawn" children). Without KIMI_TEST_FAULT it does nothing.
 KIMI_TEST_FAULT holds one fault or several, comma-separated; an unknown name stops the process
 with the list of known ones. Each fault patches SGLang's module when it is first imported (a

@@ -11,7 +11,7 @@ queue, the notify-socket listener). Added here:
   from /status, so a launch's processes can be checked after the daemon replaced it.
 - the invariants: never ready while decode is broken, nothing of an old launch alive, /status
   and /metrics agree, no traceback in what operators read.
-- `trial()`: one line of the table in docs/reliability.md (see report.py).
+- `trial()`: one line of the table in docs/reliability.md (see tests/reliability/report.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from testkit.box import REPO_ROOT, Box, exec_line
+from testkit.box import Box, exec_line
+from testkit.paths import REPO_ROOT
 
 UNIT_NAME = "kimi-serve.service"
 UNIT_FILE = REPO_ROOT / "units" / UNIT_NAME

@@ -6,6 +6,9 @@ environment that make it serve on a CPU (docs/realsglang.md), its output going t
 file, and waits for SGLang's own ready line. Each start costs 20-35 s on two cores: share one
 server per module or session (tests/conformance/conftest.py does).
 
+The daemon side: `daemon_config(tmp, sgl)` is the real `kimi-serve run`'s config over such a
+server, `real_daemon(tmp, cfg)` runs it (`Real`: the daemon, its SGLang's URL and processes).
+
 `KIMI_TEST_FAULT=decode-attributeerror` in `env` makes the real scheduler raise the seed
 incident's AttributeError on its first decode batch after the warmup
 (tests/realsglang/faulthook/sitecustomize.py).
@@ -23,22 +26,26 @@ import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+import psutil
 import pytest
+import yaml
 
 from supervisor.sglang.logscan import READY_LINE
-from testkit.sglang_cpu import CPU_FLAGS
+from testkit.daemon import DaemonProcess, _merge, base_config
+from testkit.daemon import running as run_daemon
+from testkit.paths import REPO_ROOT
+from testkit.sglang_cpu import CPU_ARGS, CPU_FLAGS
+from testkit.wait import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 STUB_DIR = REPO_ROOT / "tools" / "sglang-env.d"
-FAULT_HOOK_DIR = Path(__file__).resolve().parent / "faulthook"
+FAULT_HOOK_DIR = REPO_ROOT / "tests" / "realsglang" / "faulthook"
 BUILD_TIMEOUT = 1200.0  # a fresh machine installs ~6 GB; a built environment answers at once
 START_TIMEOUT = 180.0
 SERVER_FLAGS = CPU_FLAGS
@@ -149,13 +156,6 @@ def greedy_answer(
     }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a real server needs on a CPU, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STANDIN_", "KIMI_TEST_"))}
@@ -172,11 +172,19 @@ def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def server_argv(sgl: SGLangEnv, port: int, extra: Sequence[str] = ()) -> list[str]:
+def server_argv(
+    sgl: SGLangEnv,
+    port: int,
+    extra: Sequence[str] = (),
+    *,
+    python: str | None = None,
+    module: str = "sglang.launch_server",
+) -> list[str]:
+    """The server's command line (`python -m module`: the stand-in takes the same flags)."""
     return [
-        sgl.python,
+        python or sgl.python,
         "-m",
-        "sglang.launch_server",
+        module,
         "--model-path",
         sgl.model,
         "--host",
@@ -233,6 +241,9 @@ class RealServer:
             self.proc.wait(timeout=10)
 
 
+S = TypeVar("S", bound=RealServer)
+
+
 def start(
     sgl: SGLangEnv,
     log_path: Path,
@@ -243,18 +254,38 @@ def start(
 ) -> RealServer:
     """Launch a real server in its own session and wait for its ready line."""
     port = free_port()
+    return spawn(
+        server_argv(sgl, port, args),
+        server_env(env),
+        log_path,
+        port,
+        timeout,
+        lambda proc: RealServer(proc, port, log_path),
+    )
+
+
+def spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    port: int,
+    timeout: float,
+    handle: Callable[[subprocess.Popen[bytes]], S],
+) -> S:
+    """Start `argv` in its own session, its output to `log_path`, and wait for SGLang's ready
+    line; `handle(proc)` is the server handle returned (stopped if the wait fails)."""
     t0 = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            server_argv(sgl, port, args),
+            list(argv),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(env),
+            env=dict(env),
             cwd=log_path.parent,
             start_new_session=True,
         )
-    server = RealServer(proc, port, log_path)
+    server = handle(proc)
     try:
         server.wait_log(re.escape(READY_LINE), timeout)
     except BaseException:
@@ -278,3 +309,141 @@ def running(
         yield server
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- the daemon over a real server
+
+PROBE_TOKENS = 8
+LOAD_TIMEOUT = 240.0  # launch -> ready on a busy 2-core machine took up to 80 s
+
+
+def daemon_config(
+    tmp: Path,
+    sgl: SGLangEnv,
+    *,
+    args: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    cfg = base_config(tmp)
+    cfg["sglang"] = {
+        "python": sgl.python,
+        "module": "sglang.launch_server",
+        "model_path": sgl.model,
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "args": {**CPU_ARGS, **(args or {})},
+        "env": {
+            # What a real server needs on a CPU (server_env()).
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join([str(STUB_DIR), str(FAULT_HOOK_DIR)]),
+            # As the shipped config: environ stays readable, a scheduler exception kills the
+            # whole group at once.
+            "SPT_NOENV": "1",
+            "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1",
+            **(env or {}),
+        },
+    }
+    cfg["profiles"] = {}
+    _merge(
+        cfg,
+        {
+            "readiness": {
+                "load_timeout": f"{LOAD_TIMEOUT:g}s",
+                "probe": {"max_tokens": PROBE_TOKENS, "timeout": "30s"},
+            },
+            # Production's shape at test speed. The timeout leaves room for an 8-token decode
+            # on two cores shared with other jobs (load average above 10 at times: 2 s was
+            # not enough there even at idle); a probe queued behind long generations still
+            # times out, which is what the saturation tests need.
+            "liveness": {"interval": "1s", "timeout": "5s", "failure_threshold": 3},
+            "restart": {
+                "backoff_initial": "0.2s",
+                "backoff_max": "1s",
+                "crash_loop": {"max_restarts": 20, "window": "1h"},
+            },
+            "stop": {"drain_timeout": "20s"},
+        },
+    )
+    _merge(cfg, sections)
+    return cfg
+
+
+@dataclasses.dataclass
+class Real:
+    """A running daemon with a real SGLang under it."""
+
+    d: DaemonProcess
+    tmp: Path
+
+    @property
+    def sglang_url(self) -> str:
+        return f"http://127.0.0.1:{self.d.cfg['sglang']['port']}"
+
+    def processes(self) -> dict[int, str]:
+        """pid -> title (or command line) of every process of the current launch."""
+        child = self.d.status()["child"]
+        assert child, "no SGLang child"
+        out = {}
+        for pid in child["processes"]:
+            with contextlib.suppress(psutil.Error):
+                out[pid] = " ".join(psutil.Process(pid).cmdline())
+        return out
+
+    def pid_of(self, title: str) -> int:
+        found = [p for p, cmd in self.processes().items() if cmd.startswith(title)]
+        assert len(found) == 1, f"{title}: {self.processes()}"
+        return found[0]
+
+    def readyz(self, client: httpx.Client | None = None) -> int:
+        return (client or httpx).get(self.d.admin + "/readyz", timeout=5).status_code
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT) -> dict[str, Any]:
+        return self.d.wait_state("ready", timeout)
+
+    def rewrite(self, change: Callable[[dict[str, Any]], None]) -> None:
+        change(self.d.cfg)
+        self.d.config_path.write_text(yaml.safe_dump(self.d.cfg))
+
+
+@contextlib.contextmanager
+def real_daemon(tmp: Path, cfg: dict[str, Any]) -> Iterator[Real]:
+    with run_daemon(tmp, cfg) as d:
+        yield Real(d, tmp)
+
+
+def generate(
+    url: str, max_new_tokens: int, text: str = "Tell me a story.", timeout: float = 300.0
+) -> dict[str, Any]:
+    r = httpx.post(
+        url + "/generate",
+        json={
+            "text": text,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        },
+        timeout=timeout,
+    )
+    r.raise_for_status()
+    doc: dict[str, Any] = r.json()
+    return doc
+
+
+def alive_pids(pids: object) -> list[int]:
+    """Those of `pids` still running (a zombie has exited)."""
+    assert isinstance(pids, (list, set, tuple, dict))
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
+
+
+def report(name: str, value: float, unit: str = "s") -> None:
+    """One measured figure, printed for docs/benchmarks.md (run with -s to see it)."""
+    print(f"\n[realsglang] {name}: {value:.3f} {unit}")
