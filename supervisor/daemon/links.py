@@ -8,6 +8,8 @@ deregisters before the stop that may follow it.
 
 from __future__ import annotations
 
+import asyncio
+
 from supervisor import router
 from supervisor.config import Config
 from supervisor.router import HttpFactory, Log, RouterLink, RouterMetrics
@@ -26,6 +28,7 @@ class RouterSlot:
         self.metrics = metrics
         self.http = http
         self.current = self.for_stop = link
+        self.closing: set[asyncio.Task[None]] = set()  # links a reload removed, being closed
 
     @classmethod
     def made(cls, cfg: Config, log: Log, metrics: RouterMetrics, http: HttpFactory) -> RouterSlot:
@@ -36,5 +39,7 @@ class RouterSlot:
     def relink(self, cfg: Config, ready: bool) -> None:
         """A reload took `cfg`; `ready`: the machine is `ready` and stays so (router.relink)."""
         assert self.log is not None and self.metrics is not None
-        self.current = router.relink(self.current, cfg, self.log, self.metrics, ready, self.http)
+        self.current = router.relink(
+            self.current, cfg, self.log, self.metrics, ready, self.http, closing=self.closing
+        )
         self.for_stop = self.current or self.for_stop

@@ -123,6 +123,8 @@ def relink(
     metrics: RouterMetrics,
     ready: bool,
     http: HttpFactory | None = None,
+    *,
+    closing: set[asyncio.Task[None]],
 ) -> RouterLink | None:
     """The daemon's link after a reload took `cfg`. `ready`: the machine is `ready` and stays
     so (no restart follows), so a newly configured router gets this SGLang at once.
@@ -131,13 +133,14 @@ def relink(
     - another router.url or worker_url: the same link moves (`RouterLink.retarget`);
     - router.url set where it was null: a new link; registered now if `ready`, else kept out
       until the machine says ready;
-    - router.url removed: out of the old router (confirmed, bounded), then the link is closed.
+    - router.url removed: out of the old router (confirmed, bounded), then the link is closed
+      by a task the caller keeps in `closing` until it is done.
     """
     if cfg.router.url is None:
         if link is not None:
             link.begin_deregister("reload: router.url removed")
-            _closing.add(task := asyncio.get_running_loop().create_task(close_link(link)))
-            task.add_done_callback(_closing.discard)
+            closing.add(task := asyncio.get_running_loop().create_task(close_link(link)))
+            task.add_done_callback(closing.discard)
         return None
     if link is None:
         fresh = link_for(cfg, log, metrics, http)
@@ -158,9 +161,6 @@ def relink(
     else:
         link.retarget(cfg.router, sglang_url)
     return link
-
-
-_closing: set[asyncio.Task[None]] = set()  # links being closed after a reload removed them
 
 
 def carry_out(link: RouterLink | None, action: RouterRegister | RouterDeregister) -> None:

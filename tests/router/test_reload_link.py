@@ -26,6 +26,9 @@ from testkit.router import Recorder, RouterProcess
 from testkit.standin import Launcher, Standin
 from testkit.wait import wait_until_async
 
+# The links a reload removed, kept until closed (the daemon's RouterSlot.closing).
+CLOSING: set[asyncio.Task[None]] = set()
+
 
 @pytest.fixture(scope="module")
 def other_router() -> Iterator[RouterProcess]:
@@ -66,7 +69,7 @@ async def test_a_new_router_url_moves_the_registration(
 
         new = cfg_for(replica, other_router.url)
         assert reload.router_only(old, new) and reload.judge(old, new).value == "unchanged"
-        assert relink(link, new, log, metrics, ready=True) is link
+        assert relink(link, new, log, metrics, ready=True, closing=CLOSING) is link
         await wait_until_async(
             lambda: url in other_router.urls(), 15.0, "registered with the second router"
         )
@@ -106,7 +109,7 @@ async def test_a_move_that_comes_with_a_restart_waits_for_its_drain(
         link.want_registered()
         await wait_until_async(lambda: link.state.registered, 15.0, "registered")
         new = cfg_for(replica, other_router.url, drain_timeout="7s")
-        assert relink(link, new, log, metrics, ready=False) is link
+        assert relink(link, new, log, metrics, ready=False, closing=CLOSING) is link
         link.begin_deregister("reload", wait_idle=True)
         result = await link.settled()
         assert result is not None and result.idle, result
@@ -140,7 +143,7 @@ async def test_drain_timeout_alone_applies_without_a_call(
         wid = link.status()["worker_id"]
         new = cfg_for(replica, router.url, drain_timeout="42s")
         assert reload.router_only(old, new)
-        assert relink(link, new, log, metrics, ready=True) is link
+        assert relink(link, new, log, metrics, ready=True, closing=CLOSING) is link
         assert link.cfg.drain_timeout == 42.0
         await asyncio.sleep(0.3)
         assert link.state.registered and link.status()["worker_id"] == wid
@@ -154,23 +157,25 @@ async def test_router_url_set_then_removed(router: RouterProcess, launch: Launch
     url = replica.url("")
     log, metrics = Recorder(), Metrics(CollectorRegistry())
     without = cfg_for(replica, None)
-    assert relink(None, without, log, metrics, ready=True) is None
+    assert relink(None, without, log, metrics, ready=True, closing=CLOSING) is None
 
     with_router = cfg_for(replica, router.url)
     assert reload.router_only(without, with_router)
-    link = relink(None, with_router, log, metrics, ready=True)
+    link = relink(None, with_router, log, metrics, ready=True, closing=CLOSING)
     assert link is not None
     await wait_until_async(
         lambda: link.state.registered, 15.0, "registered at once (the machine is ready)"
     )
     assert url in router.urls()
 
-    assert relink(link, without, log, metrics, ready=True) is None
+    assert relink(link, without, log, metrics, ready=True, closing=CLOSING) is None
+    assert len(CLOSING) == 1  # the caller keeps the closing task
     await wait_until_async(lambda: url not in router.urls(), 15.0, "out of the router")
     await wait_until_async(lambda: link.client.is_closed, 15.0, "the removed link is closed")
+    await wait_until_async(lambda: not CLOSING, 5.0, "the closing task let go once done")
 
     # Set again while not ready: kept out until the machine says ready.
-    again = relink(None, with_router, log, metrics, ready=False)
+    again = relink(None, with_router, log, metrics, ready=False, closing=CLOSING)
     assert again is not None
     try:
         await again.settled()
