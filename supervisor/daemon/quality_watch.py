@@ -49,9 +49,7 @@ from supervisor.quality.golden import CanaryStore, Golden, default_dir, golden_k
 from supervisor.sglang import endpoints
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import (
-    MAX_BODY_BYTES,
     ProbeGate,
-    abort_request,
     new_rid,
     progress_of,
     server_url,
@@ -88,25 +86,20 @@ async def ask(
     request is aborted inside SGLang, as a probe is."""
     rid = new_rid("canary")
     start = clock()
+    body = canary_request(prompt, max_tokens, rid)
     try:
-        async with asyncio.timeout(timeout):
-            r = await http.post(
-                base + "/generate",
-                json=canary_request(prompt, max_tokens, rid),
-                timeout=timeout,
-                headers={"Accept-Encoding": "identity"},
-            )
+        status, raw = await endpoints.post_generate(http, base, "/generate", body, timeout)
     except TimeoutError:
-        await abort_request(http, base, rid, min(2.0, timeout))
+        await endpoints.abort(http, base, rid, min(2.0, timeout))
         return f"no canary answer within {timeout:g}s", clock() - start
     except (httpx.HTTPError, OSError, ValueError) as exc:
         return f"canary request failed: {exc or type(exc).__name__}", clock() - start
     took = clock() - start
-    if r.status_code != 200:
-        return f"canary answer HTTP {r.status_code}", took
-    if len(r.content) > MAX_BODY_BYTES:
+    if status != 200:
+        return f"canary answer HTTP {status}", took
+    if raw is None:
         return "canary answer too large", took
-    return parse_answer(r.content, took), took
+    return parse_answer(raw, took), took
 
 
 async def sglang_version(http: httpx.AsyncClient, base: str) -> str:

@@ -6,6 +6,8 @@
   gauges (`quality.parse_gauge`) all read through `parse_metrics`.
 - `/server_info` (or `/get_server_info`, its older name): `server_info`, bounded and decoded as
   an untrusted answer (supervisor/untrusted.py), used for the intent check and the golden's key.
+- `/generate` (the decode probe, the canary): `post_generate`, one total deadline and a capped
+  read of the answer; `/abort_request`: `abort`, for a request that timed out.
 
 Never raises: an answer that cannot be had or read is None.
 """
@@ -29,6 +31,8 @@ INFO_PATHS = ("/server_info", "/get_server_info")
 # SGLang 0.5.23's /server_info is a few KiB (its arguments and internal states); more is not
 # that answer, and is not read into the daemon's memory.
 MAX_INFO_BYTES = 1 << 20
+MAX_ANSWER_BYTES = 1 << 20  # a probe or canary answer is a few KiB; more is not that answer
+ABORT_TIMEOUT_S = 2.0
 
 
 def parse_metrics(text: str) -> Samples | None:
@@ -89,3 +93,47 @@ async def server_info(
         if isinstance(doc, dict):
             return doc
     return None
+
+
+async def post_generate(
+    client: httpx.AsyncClient, base_url: str, path: str, body: Mapping[str, Any], limit: float
+) -> tuple[int, bytes | None]:
+    """POST a generate request: (HTTP status, the raw answer, or None past MAX_ANSWER_BYTES).
+
+    One total deadline (`limit`): httpx's own timeouts are per read, so a server that trickles
+    a byte at a time would otherwise keep the request alive forever. The answer is read as sent
+    (`identity`): the cap counts the bytes on the wire, and a compressing proxy must not turn
+    every answer into "malformed". Raises TimeoutError and httpx's errors: the caller's verdict.
+    """
+    async with asyncio.timeout(limit):
+        async with client.stream(
+            "POST",
+            base_url.rstrip("/") + path,
+            json=body,
+            timeout=limit,
+            headers={"Accept-Encoding": "identity"},
+        ) as response:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    return response.status_code, None
+                chunks.append(chunk)
+            return response.status_code, b"".join(chunks)
+
+
+async def abort(
+    client: httpx.AsyncClient, base_url: str, rid: str, timeout: float = ABORT_TIMEOUT_S
+) -> bool:
+    """POST /abort_request {"rid": rid}: SGLang stops the request wherever it is (waiting or
+    running). A probe that gave up waiting would otherwise keep decoding inside SGLang, and
+    timed-out probes would pile up (sglang #35884). True when SGLang answered 200."""
+    try:
+        async with asyncio.timeout(timeout):
+            r = await client.post(
+                base_url.rstrip("/") + "/abort_request", json={"rid": rid}, timeout=timeout
+            )
+    except (TimeoutError, httpx.HTTPError, OSError):
+        return False
+    return r.status_code == 200

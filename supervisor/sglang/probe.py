@@ -30,7 +30,7 @@ from supervisor.sglang.logscan import OWN_RID_MARK
 _T = TypeVar("_T")
 # Present in meta_info only when speculative verification ran (docs/sglang.md).
 SPEC_VERIFY_KEY = "spec_verify_ct"
-MAX_BODY_BYTES = 1 << 20  # a probe answer is a few hundred bytes; more is not a probe answer
+MAX_BODY_BYTES = endpoints.MAX_ANSWER_BYTES  # a probe answer is a few hundred bytes
 # Every `reason` a failed probe can carry (the label of kimi_serve_probe_failures_total).
 FAILURE_REASONS = (
     "connect",
@@ -108,23 +108,10 @@ def new_rid(kind: str = "probe") -> str:
     return f"{OWN_RID_MARK}{kind}-{uuid.uuid4().hex[:16]}"
 
 
-ABORT_TIMEOUT_S = 2.0
+ABORT_TIMEOUT_S = endpoints.ABORT_TIMEOUT_S
 
 
-async def abort_request(
-    client: httpx.AsyncClient, base_url: str, rid: str, timeout: float = ABORT_TIMEOUT_S
-) -> bool:
-    """POST /abort_request {"rid": rid}: SGLang stops the request wherever it is (waiting or
-    running). A probe that gave up waiting would otherwise keep decoding inside SGLang, and
-    timed-out probes would pile up (sglang #35884). True when SGLang answered 200."""
-    try:
-        async with asyncio.timeout(timeout):
-            r = await client.post(
-                base_url.rstrip("/") + "/abort_request", json={"rid": rid}, timeout=timeout
-            )
-    except (TimeoutError, httpx.HTTPError, OSError):
-        return False
-    return r.status_code == 200
+abort_request = endpoints.abort
 
 
 def _int(value: object) -> int | None:
@@ -238,17 +225,6 @@ def judge(
     return Verdict(ok=True, reason="ok", **common)
 
 
-async def _read_capped(response: httpx.Response) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_raw():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def probe(
     client: httpx.AsyncClient,
     base_url: str,
@@ -288,20 +264,7 @@ async def _probe(
     limit = cfg.timeout if timeout is None else timeout
     start = clock()
     try:
-        # A total deadline: httpx's own timeouts are per read, so a server that trickles a
-        # byte at a time would otherwise keep the probe alive forever.
-        async with asyncio.timeout(limit):
-            # identity: the size cap below counts the bytes on the wire, and a compressing
-            # proxy must not turn every answer into "malformed".
-            async with client.stream(
-                "POST",
-                base_url.rstrip("/") + path,
-                json=body,
-                timeout=limit,
-                headers={"Accept-Encoding": "identity"},
-            ) as response:
-                raw = await _read_capped(response)
-                status = response.status_code
+        status, raw = await endpoints.post_generate(client, base_url, path, body, limit)
     except TimeoutError:
         return ProbeResult(False, "timeout", f"no answer within {limit:g}s", clock() - start)
     except httpx.ConnectError as exc:
