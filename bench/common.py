@@ -305,22 +305,9 @@ class Observer:
         readyz: str | None = None,
         prefix: Sequence[str] = (),
     ) -> None:
-        argv = [
-            *prefix,
-            str(PYTHON),
-            "-m",
-            "bench.observe",
-            "--port",
-            str(port),
-            "--timeout",
-            str(timeout),
-            "--mode",
-            mode,
-            "--window",
-            str(window),
-            "--decode-timeout",
-            str(decode_timeout),
-        ]
+        argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port)]
+        argv += ["--timeout", str(timeout), "--mode", mode, "--window", str(window)]
+        argv += ["--decode-timeout", str(decode_timeout)]
         if readyz:
             argv += ["--readyz", readyz]
         if not decode:
@@ -391,12 +378,8 @@ def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") ->
     """One decode of `tokens` tokens; True only if all came back in time."""
     import http.client
 
-    body = json.dumps(
-        {
-            "text": "Say hello in one word",
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
-        }
-    )
+    params = {"max_new_tokens": tokens, "temperature": 0}
+    body = json.dumps({"text": "Say hello in one word", "sampling_params": params})
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})

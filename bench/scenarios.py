@@ -36,6 +36,7 @@ from bench.common import (
     NotifySocket,
     Observer,
     Procs,
+    at,
     http_status,
     is_ready_msg,
     kill_now,
@@ -161,7 +162,7 @@ def _settle(ctx: Ctx, decode_at: float) -> None:
 def _first(events: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool]) -> float:
     for e in events:
         if pred(e):
-            return KimiServe.at(e)
+            return at(e)
     return float("nan")
 
 
@@ -543,10 +544,10 @@ def kimi_hang(ctx: Ctx) -> dict[str, Any]:
             onset = float(obs.event("onset", timeout=60)["t"])
             obs.close()
             start, ev = ks.wait_state("restarting", 120, start)
-            trials.append({"onset": onset, "noticed": KimiServe.at(ev), "reason": ev["reason"]})
+            trials.append({"onset": onset, "noticed": at(ev), "reason": ev["reason"]})
             ctx.say(
                 f"  kimi-serve hang: restart ({ev['reason']}) "
-                f"{KimiServe.at(ev) - onset:.2f} s after the hang began"
+                f"{at(ev) - onset:.2f} s after the hang began"
             )
     finally:
         ks.stop()
@@ -587,8 +588,8 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             verdicts.append(
                 {
                     "reason": ev["reason"],
-                    "at": KimiServe.at(ev),
-                    "warming": KimiServe.at(warming[-1]) if warming else None,
+                    "at": at(ev),
+                    "warming": at(warming[-1]) if warming else None,
                 }
             )
             start += 1
