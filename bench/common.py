@@ -326,9 +326,6 @@ class Observer:
             raise BenchError(f"the watcher gave up waiting for {'/'.join(names)}")
         return ev
 
-    def bind(self, timeout: float) -> float:
-        return float(self.event("bind", timeout=timeout)["t"])
-
     def result(self, timeout: float) -> dict[str, float]:
         """{"bind": t, "decode": t} (decode absent when not asked for)."""
         self.event("decode" if self.decode else "bind", timeout=timeout)
@@ -336,6 +333,13 @@ class Observer:
             e["event"]: float(e["t"])
             for e in self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
         }
+
+    def served(self, timeout: float) -> dict[str, float]:
+        """`result`, then the watcher is closed."""
+        try:
+            return self.result(timeout)
+        finally:
+            self.close()
 
     def readyz(self, timeout: float) -> float | None:
         """When the daemon's /readyz first answered 200 (polled from the bind on)."""
@@ -760,6 +764,14 @@ class Gpu:
         used = int(nv.nvmlDeviceGetMemoryInfo(self.handle, version=nv.nvmlMemory_v2).used)
         procs = nv.nvmlDeviceGetComputeRunningProcesses(self.handle)
         return used, {int(p.pid): p.usedGpuMemory for p in procs}
+
+    def usage(self) -> dict[str, Any]:
+        """Memory used and NVML's processes now, in MiB (None: NVML gave no size)."""
+        used, procs = self.read()
+        return {
+            "used_mib": round(used / MiB),
+            "processes": {str(p): None if b is None else round(b / MiB) for p, b in procs.items()},
+        }
 
     def machine(self) -> dict[str, Any]:
         return {

@@ -160,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         recorded = (*(h.ident for s, h in zip(specs, held, strict=True) if s.record), decoy)
         dead_daemon = 2**22 + 1  # above the default pid_max: no such process
         RecordStore(str(state)).save(LaunchRecord(dead_daemon, "primary", recorded))
-        used1, procs1 = gpu.read()
-        result["gpu_with_leftovers"] = {
-            "used_mib": round(used1 / common.MiB),
-            "processes": {
-                str(p): None if b is None else round(b / common.MiB) for p, b in procs1.items()
-            },
-        }
+        result["gpu_with_leftovers"] = gpu.usage()
         dry = gpu_clean(cfg, env, dry_run=True)
         dry["all_alive_after"] = all(live_process(h.ident) for h in held)
         result["dry_run"] = dry

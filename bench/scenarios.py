@@ -16,6 +16,7 @@ Definitions used throughout (docs/benchmarks.md repeats them):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import subprocess
 import threading
 import time
@@ -173,6 +174,10 @@ def _named(name: str) -> Callable[[dict[str, Any]], bool]:
 # ====================================================================== phase A: cycles
 
 
+RECOVERY_STEPS = ("detect", "stop", "backoff", "cleaning", "relaunch", "load", "port_seen")
+RECOVERY_STEPS += ("probe", "notify")
+
+
 def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
     """Start, then kill SGLang `cycles` times: readiness, death detection, recovery."""
     s = ctx.s
@@ -225,21 +230,13 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                     "status_datagram": status[0],
                 }
             )
-            out["recovery"].append(
-                {
-                    "detect": restarting - t_kill,
-                    "stop": gone - restarting,
-                    "backoff": cleaning - gone,
-                    "cleaning": launching - cleaning,
-                    "relaunch": loading - launching,
-                    "load": r["bind"] - loading,
-                    "port_seen": warming - r["bind"],
-                    "probe": ready_state - warming,
-                    "notify": ready[0] - ready_state,
-                    "total": ready[0] - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
+            # The kill, each step of the recovery in order, READY=1: a step is the gap before it.
+            marks = (t_kill, restarting, gone, cleaning, launching, loading, r["bind"], warming)
+            marks += (ready_state, ready[0])
+            gaps = [b - a for a, b in itertools.pairwise(marks)]
+            steps = dict(zip(RECOVERY_STEPS, gaps, strict=True))
+            total = {"total": ready[0] - t_kill, "serving": r["decode"] - t_kill}
+            out["recovery"].append(steps | total)
             out["readiness"].append(_readiness("restart", r, ready[0], readyz=readyz))
             ctx.say(
                 f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
@@ -260,8 +257,7 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
         obs = Observer(ctx.procs, port, fresh=False)
         sv.start()
         _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
-        r = obs.result(60)
-        obs.close()
+        r = obs.served(60)
         out["readiness"].append(_readiness("start", r, t_run))
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
@@ -272,8 +268,7 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
             _, t_exit, _ = sv.wait(sv_mod.EXITED, 10, start)
             _, t_spawn, _ = sv.wait(sv_mod.SPAWNED, 10, start)
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
-            r = obs.result(30)
-            obs.close()
+            r = obs.served(30)
             _cycle(out, t_kill, death(10), t_exit, t_spawn, t_run, r, "startsecs", t_run - t_spawn)
             ctx.say(
                 f"  supervisord kill {i + 1}/{s.cycles}: noticed "
@@ -321,8 +316,7 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
     try:
         obs = Observer(ctx.procs, port, fresh=False, prefix=box.prefix)
         box.start(unit)
-        r = obs.result(60)
-        obs.close()
+        r = obs.served(60)
         t = box.times(unit)
         out["readiness"].append(_readiness("start", r, t["active"]))
         for i in range(s.cycles):
@@ -331,8 +325,7 @@ def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
             pid = box.main_host_pid(unit)
             t_kill, death = kill_now(ctx.procs, pid)
             obs = Observer(ctx.procs, port, prefix=box.prefix)
-            r = obs.result(30)
-            obs.close()
+            r = obs.served(30)
             t = box.wait_restarted(unit, before["restarts"] or 0.0, t_kill, 30)
             exited, started, active = t["noticed"], t["started"], t["active"]
             assert exited is not None and started is not None and active is not None
@@ -394,8 +387,7 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
     try:
         obs = Observer(ctx.procs, pr.port, fresh=False)
         _, ev = pr.wait("ready", wait_s)
-        r = obs.result(wait_s)
-        obs.close()
+        r = obs.served(wait_s)
         out["readiness"].append(_readiness("start", r, ev["t"]))
         for i in range(s.poller_cycles):
             _settle(ctx, r["decode"])
@@ -406,8 +398,7 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
             _, died = pr.wait("died", 30, start)
             _, spawned = pr.wait("spawned", 30, start)
             _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
-            r = obs.result(wait_s)
-            obs.close()
+            r = obs.served(wait_s)
             ready_after = ("ready_after_bind", ready["t"] - r["bind"])
             _cycle(out, t_kill, death(10), died["t"], spawned["t"], ready["t"], r, *ready_after)
             ctx.say(
