@@ -69,8 +69,6 @@ class Procs:
         stdout: Any = subprocess.DEVNULL,
         stderr: Any = subprocess.DEVNULL,
         text: bool = False,
-        cwd: Path | None = None,
-        new_session: bool = True,
     ) -> subprocess.Popen[Any]:
         with self._lock:
             # Once clean-up began (Ctrl-C, or the end of the run), a scenario still running
@@ -83,9 +81,9 @@ class Procs:
                 stdout=stdout,
                 stderr=stderr,
                 env=base_env(env),
-                cwd=cwd or REPO_ROOT,
+                cwd=REPO_ROOT,
                 text=text,
-                start_new_session=new_session,
+                start_new_session=True,
             )
             self._procs.append(proc)
         return proc
@@ -278,11 +276,6 @@ class Lines:
 
 class BenchError(RuntimeError):
     """A scenario could not be measured; the message says why."""
-
-
-def iso_time(stamp: str) -> float:
-    """structlog's ISO stamp (UTC, microseconds) -> unix seconds."""
-    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 # ---------------------------------------------------------------------------- serving watcher
@@ -501,8 +494,9 @@ def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
 
 
 def at(event: Mapping[str, Any]) -> float:
-    """Unix time of one of the daemon's JSON log lines (its `timestamp`)."""
-    return iso_time(str(event["timestamp"]))
+    """Unix time of one of the daemon's JSON log lines (its `timestamp`: structlog's ISO stamp,
+    UTC, microseconds)."""
+    return dt.datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def state_is(to: str) -> Callable[[Mapping[str, Any]], bool]:
