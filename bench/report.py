@@ -185,29 +185,17 @@ def hang(results: dict[str, Any]) -> Table:
             st = Stat.of(t["noticed"] - t["onset"] for t in trials)
             lv = h["liveness"]
             reasons = ", ".join(sorted({t["reason"] for t in trials}))
-            rows.append(
-                [
-                    a,
-                    str(len(trials)),
-                    f"{len(trials)} ({reasons})",
-                    f"{st.median:.2f} s ({st.lo:.2f} … {st.hi:.2f})" if st else "—",
-                    f"liveness every {lv['interval']}, timeout {lv['timeout']}, "
-                    f"{lv['failure_threshold']} strikes",
-                ]
-            )
+            took = f"{st.median:.2f} s ({st.lo:.2f} … {st.hi:.2f})" if st else "—"
+            how = f"liveness every {lv['interval']}, timeout {lv['timeout']}, "
+            how += f"{lv['failure_threshold']} strikes"
+            rows.append([a, str(len(trials)), f"{len(trials)} ({reasons})", took, how])
         else:
             detected = sum(1 for t in h if t["detected"])
             watched = min(t["watched_s"] for t in h)
             health = {s for t in h for s in t["health"]}
-            rows.append(
-                [
-                    a,
-                    str(len(h)),
-                    str(detected),
-                    f"not noticed in {watched:.0f} s" if not detected else "noticed",
-                    f"/health answered {sorted(health, key=str)} throughout",
-                ]
-            )
+            took = f"not noticed in {watched:.0f} s" if not detected else "noticed"
+            how = f"/health answered {sorted(health, key=str)} throughout"
+            rows.append([a, str(len(h)), str(detected), took, how])
     after = results.get("settings", {}).get("hang_after", 30)
     notes = [
         f"Fault decode-hang: after {after} decodes every decode hangs while /health stays 200. "
@@ -398,7 +386,6 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
         st = Stat.of(f["rss_mib"])
         assert st is not None
         out[a] = {"rss": st.median, "rss_max": st.hi, "cpu": f["cpu_pct"]}
-        note = ""
         if a == KIMI:
             note = (
                 f"{f['liveness_probes']:.0f} liveness decode probes, {f['scrapes']} "
@@ -408,29 +395,12 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
                 note += f"; USS {f['uss_mib']:.1f} MiB"
         else:
             note = "supervising the same stand-in; no probes"
-        rows.append(
-            [
-                a,
-                f"{st.median:.1f} (max {st.hi:.1f})",
-                f"{f['cpu_pct']:.2f}%",
-                f"{f['seconds']:.0f}",
-                note,
-            ]
-        )
+        rss = f"{st.median:.1f} (max {st.hi:.1f})"
+        rows.append([a, rss, f"{f['cpu_pct']:.2f}%", f"{f['seconds']:.0f}", note])
     if KIMI in out and SUPERVISORD in out:
-        rows.append(
-            [
-                "kimi-serve ÷ supervisord",
-                f"{out[KIMI]['rss'] / out[SUPERVISORD]['rss']:.1f}x",
-                (
-                    f"{out[KIMI]['cpu'] / out[SUPERVISORD]['cpu']:.1f}x"
-                    if out[SUPERVISORD]["cpu"] > 0
-                    else "—"
-                ),
-                "",
-                "",
-            ]
-        )
+        k, sv = out[KIMI], out[SUPERVISORD]
+        cpu = f"{k['cpu'] / sv['cpu']:.1f}x" if sv["cpu"] > 0 else "—"
+        rows.append(["kimi-serve ÷ supervisord", f"{k['rss'] / sv['rss']:.1f}x", cpu, "", ""])
     notes = [
         "kimi-serve with production timings: a decode probe every 15 s, WATCHDOG_USEC "
         "30 s (the unit's WatchdogSec), a /metrics scrape every 5 s by the bench. RSS "

@@ -38,6 +38,7 @@ from bench.common import (
     Observer,
     Procs,
     at,
+    cpu_seconds,
     http_status,
     is_ready_msg,
     kill_now,
@@ -778,7 +779,7 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
         targets = {KIMI: psutil.Process(ks.pid)}
         if sv is not None:
             targets[SUPERVISORD] = psutil.Process(sv.pid)
-        cpu0 = {k: p.cpu_times() for k, p in targets.items()}
+        cpu0 = {k: cpu_seconds(p) for k, p in targets.items()}
         t0 = time.time()
         liveness0 = _metric(_get(ks.admin + "/metrics"), LIVENESS_OK)
         rss: dict[str, list[float]] = {k: [] for k in targets}
@@ -791,16 +792,12 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
                 rss[k].append(p.memory_info().rss / 2**20)
             time.sleep(max(0.0, t0 + scrapes * s.scrape_every - time.time()))
         t1 = time.time()
-        cpu1 = {k: p.cpu_times() for k, p in targets.items()}
+        cpu1 = {k: cpu_seconds(p) for k, p in targets.items()}
         liveness1 = _metric(_get(ks.admin + "/metrics"), LIVENESS_OK)
         for k in targets:
-            used = (cpu1[k].user + cpu1[k].system) - (cpu0[k].user + cpu0[k].system)
-            out[k] = {
-                "rss_mib": rss[k],
-                "cpu_s": used,
-                "seconds": t1 - t0,
-                "cpu_pct": 100 * used / (t1 - t0),
-            }
+            used, span = cpu1[k] - cpu0[k], t1 - t0
+            out[k] = {"rss_mib": rss[k], "cpu_s": used, "seconds": span}
+            out[k]["cpu_pct"] = 100 * used / span
         with contextlib.suppress(psutil.Error):
             out[KIMI]["uss_mib"] = targets[KIMI].memory_full_info().uss / 2**20
         out[KIMI]["liveness_probes"] = liveness1 - liveness0
