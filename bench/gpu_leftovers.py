@@ -234,12 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         everyone = held + blocker
         common.kill_held(everyone)
+        pids = {h.ident.pid for h in everyone}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            _, procs = gpu.read()
-            if not any(live_process(h.ident) for h in everyone) and not set(procs) & {
-                h.ident.pid for h in everyone
-            }:
+            if not any(live_process(h.ident) for h in everyone) and not set(gpu.read()[1]) & pids:
                 break
             time.sleep(0.05)
     common.write_json(args.out, "gpu_leftovers.json", result)

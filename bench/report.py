@@ -335,11 +335,8 @@ def log_pump(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
                 if cap
                 else ""
             )
-            row += [
-                f"{fmt_rate(st['achieved'])} ({ratio:.2f}x)",
-                blocked + fill,
-                f"{100 * st['cpu']:.0f}%",
-            ]
+            achieved = f"{fmt_rate(st['achieved'])} ({ratio:.2f}x)"
+            row += [achieved, blocked + fill, f"{100 * st['cpu']:.0f}%"]
         rows.append(row)
         if k is not None:
             ratio = k["achieved"] / d["achieved"]

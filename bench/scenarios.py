@@ -577,13 +577,8 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             assert ks.lines is not None
             # The port opened (warming) before the probe found the launch broken.
             warming = [e for e in ks.lines.events[:start] if state_is("warming")(e)]
-            verdicts.append(
-                {
-                    "reason": ev["reason"],
-                    "at": at(ev),
-                    "warming": at(warming[-1]) if warming else None,
-                }
-            )
+            opened = at(warming[-1]) if warming else None
+            verdicts.append({"reason": ev["reason"], "at": at(ev), "warming": opened})
             start += 1
         stop.set()
         poller.join(2)
