@@ -42,32 +42,28 @@ from bench.systemd_box import SystemdBox
 from bench.systemd_box import Unavailable as BoxUnavailable
 
 
-def machine() -> dict[str, Any]:
-    cpu = ""
+def _value(path: str, key: str, sep: str) -> str | None:
+    """The value of the first `key<sep>value` line of a text file (None: none there)."""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(sep, 1)[1].strip()
+    return None
+
+
+def machine() -> dict[str, Any]:
     return {
-        "cpu": cpu,
+        "cpu": _value("/proc/cpuinfo", "model name", ":") or "",
         "cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "kernel": platform.release(),
-        "os": _os_name(),
+        "os": (_value("/etc/os-release", "PRETTY_NAME=", "=") or "").strip('"')
+        or platform.system(),
         "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
         "processes": len(psutil.pids()),
         "gpu": "none (the SGLang stand-in, supervisor/standin)",
     }
-
-
-def _os_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip('"')
-    return platform.system()
 
 
 def reason(exc: Exception) -> str:
