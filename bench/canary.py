@@ -72,13 +72,19 @@ def drift(run: dict[str, Any], ref: dict[str, Any]) -> float:
     return max((abs(a - b) for a, b in pairs), default=0.0)
 
 
-def condition(runs: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
+def _against(runs: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
+    """How many of `runs` differ from `ref`, and from which positions."""
     diffs = [first_diff(r["ids"], ref["ids"]) for r in runs]
-    per_pos = [min(r["margins"][i] for r in runs) for i in range(TOKENS)]
     return {
         "n": len(runs),
         "texts_differing": sum(d is not None for d in diffs),
         "first_diff_positions": sorted({d for d in diffs if d is not None}),
+    }
+
+
+def condition(runs: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
+    per_pos = [min(r["margins"][i] for r in runs) for i in range(TOKENS)]
+    return _against(runs, ref) | {
         "min_margin_per_position": [round(m, 4) for m in per_pos],
         "min_margin": round(min(per_pos), 4),
         "median_margin": round(sorted(m for r in runs for m in r["margins"])[len(runs) * 8], 4),
@@ -131,12 +137,8 @@ def measure(url: str, n: int) -> dict[str, Any]:
 def perturbed(url: str, ref: dict[str, Any], n: int = 5) -> dict[str, Any]:
     with httpx.Client(trust_env=False) as client:
         runs = [(generate(client, url, real.CANARY_PROMPT)) for _ in range(n)]
-    diffs = [first_diff(r["ids"], ref["ids"]) for r in runs]
-    return {
-        "n": n,
+    return _against(runs, ref) | {
         "text": runs[0]["text"],
-        "texts_differing": sum(d is not None for d in diffs),
-        "first_diff_positions": sorted({d for d in diffs if d is not None}),
         "tokens_differing": [
             sum(a != b for a, b in zip(r["ids"], ref["ids"], strict=False)) for r in runs
         ],

@@ -69,8 +69,6 @@ class Procs:
         stdout: Any = subprocess.DEVNULL,
         stderr: Any = subprocess.DEVNULL,
         text: bool = False,
-        cwd: Path | None = None,
-        new_session: bool = True,
     ) -> subprocess.Popen[Any]:
         with self._lock:
             # Once clean-up began (Ctrl-C, or the end of the run), a scenario still running
@@ -83,9 +81,9 @@ class Procs:
                 stdout=stdout,
                 stderr=stderr,
                 env=base_env(env),
-                cwd=cwd or REPO_ROOT,
+                cwd=REPO_ROOT,
                 text=text,
-                start_new_session=new_session,
+                start_new_session=True,
             )
             self._procs.append(proc)
         return proc
@@ -280,11 +278,6 @@ class BenchError(RuntimeError):
     """A scenario could not be measured; the message says why."""
 
 
-def iso_time(stamp: str) -> float:
-    """structlog's ISO stamp (UTC, microseconds) -> unix seconds."""
-    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 # ---------------------------------------------------------------------------- serving watcher
 
 
@@ -305,22 +298,9 @@ class Observer:
         readyz: str | None = None,
         prefix: Sequence[str] = (),
     ) -> None:
-        argv = [
-            *prefix,
-            str(PYTHON),
-            "-m",
-            "bench.observe",
-            "--port",
-            str(port),
-            "--timeout",
-            str(timeout),
-            "--mode",
-            mode,
-            "--window",
-            str(window),
-            "--decode-timeout",
-            str(decode_timeout),
-        ]
+        argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port)]
+        argv += ["--timeout", str(timeout), "--mode", mode, "--window", str(window)]
+        argv += ["--decode-timeout", str(decode_timeout)]
         if readyz:
             argv += ["--readyz", readyz]
         if not decode:
@@ -339,9 +319,6 @@ class Observer:
             raise BenchError(f"the watcher gave up waiting for {'/'.join(names)}")
         return ev
 
-    def bind(self, timeout: float) -> float:
-        return float(self.event("bind", timeout=timeout)["t"])
-
     def result(self, timeout: float) -> dict[str, float]:
         """{"bind": t, "decode": t} (decode absent when not asked for)."""
         self.event("decode" if self.decode else "bind", timeout=timeout)
@@ -349,6 +326,13 @@ class Observer:
             e["event"]: float(e["t"])
             for e in self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
         }
+
+    def served(self, timeout: float) -> dict[str, float]:
+        """`result`, then the watcher is closed."""
+        try:
+            return self.result(timeout)
+        finally:
+            self.close()
 
     def readyz(self, timeout: float) -> float | None:
         """When the daemon's /readyz first answered 200 (polled from the bind on)."""
@@ -391,12 +375,8 @@ def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") ->
     """One decode of `tokens` tokens; True only if all came back in time."""
     import http.client
 
-    body = json.dumps(
-        {
-            "text": "Say hello in one word",
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
-        }
-    )
+    params = {"max_new_tokens": tokens, "temperature": 0}
+    body = json.dumps({"text": "Say hello in one word", "sampling_params": params})
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
@@ -514,8 +494,9 @@ def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
 
 
 def at(event: Mapping[str, Any]) -> float:
-    """Unix time of one of the daemon's JSON log lines (its `timestamp`)."""
-    return iso_time(str(event["timestamp"]))
+    """Unix time of one of the daemon's JSON log lines (its `timestamp`: structlog's ISO stamp,
+    UTC, microseconds)."""
+    return dt.datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def state_is(to: str) -> Callable[[Mapping[str, Any]], bool]:
@@ -777,6 +758,14 @@ class Gpu:
         used = int(nv.nvmlDeviceGetMemoryInfo(self.handle, version=nv.nvmlMemory_v2).used)
         procs = nv.nvmlDeviceGetComputeRunningProcesses(self.handle)
         return used, {int(p.pid): p.usedGpuMemory for p in procs}
+
+    def usage(self) -> dict[str, Any]:
+        """Memory used and NVML's processes now, in MiB (None: NVML gave no size)."""
+        used, procs = self.read()
+        return {
+            "used_mib": round(used / MiB),
+            "processes": {str(p): None if b is None else round(b / MiB) for p, b in procs.items()},
+        }
 
     def machine(self) -> dict[str, Any]:
         return {

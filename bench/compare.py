@@ -42,19 +42,23 @@ from bench.systemd_box import SystemdBox
 from bench.systemd_box import Unavailable as BoxUnavailable
 
 
-def machine() -> dict[str, Any]:
-    cpu = ""
+def _value(path: str, key: str, sep: str) -> str | None:
+    """The value of the first `key<sep>value` line of a text file (None: none there)."""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(sep, 1)[1].strip()
+    return None
+
+
+def machine() -> dict[str, Any]:
     return {
-        "cpu": cpu,
+        "cpu": _value("/proc/cpuinfo", "model name", ":") or "",
         "cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "kernel": platform.release(),
-        "os": _os_name(),
+        "os": (_value("/etc/os-release", "PRETTY_NAME=", "=") or "").strip('"')
+        or platform.system(),
         "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
         "processes": len(psutil.pids()),
@@ -62,12 +66,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _os_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip('"')
-    return platform.system()
+def reason(exc: Exception) -> str:
+    """An exception as a `not_measured` entry: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
+    return f"{type(exc).__name__}: {first}"
 
 
 class Runner:
@@ -82,11 +84,9 @@ class Runner:
         try:
             value = fn()
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
-            reason = f"{type(exc).__name__}: {first}"
-            self.ctx.say(f"! {name}: {reason}")
+            self.ctx.say(f"! {name}: {reason(exc)}")
             with self.lock:
-                self.results["not_measured"][name] = reason
+                self.results["not_measured"][name] = reason(exc)
             return
         with self.lock:
             store(value)
@@ -97,6 +97,12 @@ class Runner:
             self.results.setdefault(approach, {})[key] = value
 
         return store
+
+    def job(
+        self, approach: str, key: str, fn: Callable[[Ctx], Any]
+    ) -> tuple[str, Callable[[], Any], Callable[[Any], None]]:
+        """`fn(ctx)` stored as results[approach][key]."""
+        return f"{approach}/{key}", lambda: fn(self.ctx), self.put(approach, key)
 
     def lane(
         self, name: str, jobs: list[tuple[str, Callable[[], Any], Callable[[Any], None]]]
@@ -146,17 +152,11 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
     try:
         say("phase A: readiness, death detection and recovery, one approach at a time")
         if KIMI in only:
-            r.guard(f"{KIMI}/cycles", lambda: scenarios.kimi_cycles(ctx), r.put(KIMI, "cycles"))
+            r.guard(*r.job(KIMI, "cycles", scenarios.kimi_cycles))
         if want_sv:
-            r.guard(
-                f"{SUPERVISORD}/cycles",
-                lambda: scenarios.supervisord_cycles(ctx),
-                r.put(SUPERVISORD, "cycles"),
-            )
+            r.guard(*r.job(SUPERVISORD, "cycles", scenarios.supervisord_cycles))
         if ctx.box is not None:
-            r.guard(
-                f"{SYSTEMD}/cycles", lambda: scenarios.systemd_cycles(ctx), r.put(SYSTEMD, "cycles")
-            )
+            r.guard(*r.job(SYSTEMD, "cycles", scenarios.systemd_cycles))
         if KIMI in only:
             say("phase A: log pump")
             r.guard(
@@ -173,47 +173,30 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
         lane1: list[Any] = []
         if KIMI in only:
             lane1 += [
-                (f"{KIMI}/hang", lambda: scenarios.kimi_hang(ctx), r.put(KIMI, "hang")),
-                (
-                    f"{KIMI}/false_ready",
-                    lambda: scenarios.kimi_false_ready(ctx),
-                    r.put(KIMI, "false_ready"),
-                ),
+                r.job(KIMI, "hang", scenarios.kimi_hang),
+                r.job(KIMI, "false_ready", scenarios.kimi_false_ready),
             ]
         if POLLER in only:
-            lane1.append(
-                (f"{POLLER}/cycles", lambda: scenarios.poller_cycles(ctx), r.put(POLLER, "cycles"))
-            )
+            lane1.append(r.job(POLLER, "cycles", scenarios.poller_cycles))
         lanes.append(r.lane("lane1", lane1))
 
-        def split(approach: str) -> Callable[[Any], None]:
+        def faults(approach: str, fn: Callable[[Ctx], Any]) -> Any:
+            """`fn(ctx)`'s false_ready and hang, stored under `approach`."""
+
             def store(value: Any) -> None:
                 results.setdefault(approach, {})["false_ready"] = value["false_ready"]
                 results[approach]["hang"] = value["hang"]
 
-            return store
+            return f"{approach}/faults", lambda: fn(ctx), store
 
         lane2: list[Any] = []
         if want_sv:
-            lane2.append(
-                (
-                    f"{SUPERVISORD}/faults",
-                    lambda: scenarios.supervisord_faults(ctx),
-                    split(SUPERVISORD),
-                )
-            )
+            lane2.append(faults(SUPERVISORD, scenarios.supervisord_faults))
         if ctx.box is not None:
-            lane2.append(
-                (f"{SYSTEMD}/faults", lambda: scenarios.systemd_faults(ctx), split(SYSTEMD))
-            )
+            lane2.append(faults(SYSTEMD, scenarios.systemd_faults))
         lanes.append(r.lane("lane2", lane2))
         if POLLER in only:
-            lanes.append(
-                r.lane(
-                    "lane3",
-                    [(f"{POLLER}/faults", lambda: scenarios.poller_faults(ctx), split(POLLER))],
-                )
-            )
+            lanes.append(r.lane("lane3", [faults(POLLER, scenarios.poller_faults)]))
         if KIMI in only:
             r.guard(
                 "footprint",
@@ -252,30 +235,15 @@ def compare(argv: list[str]) -> int:
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
-    p.add_argument(
-        "--real-sglang",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="also ROUNDS launches on the real SGLang server (as `real-sglang`; "
-        "needs tools/sglang-env, about a minute each)",
-    )
-    p.add_argument(
-        "--downtime",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="instead: the restart-downtime rows on real SGLang with a larger model "
-        "(as `downtime`; root, drops the page cache; several minutes per round)",
-    )
-    p.add_argument(
-        "--canary",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also N greedy canary generations per condition on the real SGLang server "
-        "(as `canary`; needs tools/sglang-env, five launches)",
-    )
+    for flag, metavar, what in (
+        ("--real-sglang", "ROUNDS", "also ROUNDS launches on the real SGLang server (as "
+         "`real-sglang`; needs tools/sglang-env, about a minute each)"),
+        ("--downtime", "ROUNDS", "instead: the restart-downtime rows on real SGLang with a "
+         "larger model (as `downtime`; root, drops the page cache; several minutes per round)"),
+        ("--canary", "N", "also N greedy canary generations per condition on the real SGLang "
+         "server (as `canary`; needs tools/sglang-env, five launches)"),
+    ):  # fmt: skip
+        p.add_argument(flag, type=int, default=0, metavar=metavar, help=what)
     a = p.parse_args(argv)
     if a.downtime > 0:
         json_out = ["--json", str(a.json)] if a.json else []
@@ -314,16 +282,14 @@ def compare(argv: list[str]) -> int:
             results["real_sglang"] = {"rounds": done, "summary": summary}
             real_table = real_sglang.table(summary, a.real_sglang)
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
-            results["not_measured"]["real_sglang"] = f"{type(exc).__name__}: {first}"
+            results["not_measured"]["real_sglang"] = reason(exc)
     if a.canary > 0:
         try:
             with tempfile.TemporaryDirectory(prefix="kimi-bench-canary-") as work:
                 results["canary"] = canary.run(a.canary, Path(work))
             real_table = (real_table + "\n\n" + canary.table(results["canary"])).strip()
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
-            results["not_measured"]["canary"] = f"{type(exc).__name__}: {first}"
+            results["not_measured"]["canary"] = reason(exc)
     tables = report.all_tables(results)
     m = results["machine"]
     head = (

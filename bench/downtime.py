@@ -173,14 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model-dir", type=Path, default=Path("/var/tmp/kimi-serve-bench"))
-    ap.add_argument(
-        "--only", default="", help="comma-separated: cold-off,cold-auto,warm-off,warm-auto"
-    )
-    ap.add_argument(
-        "--standin",
-        action="store_true",
-        help="the SGLang stand-in, backoff 0.5 s (the suite's form: --only warm-off needs no root)",
-    )
+    only = "comma-separated: cold-off,cold-auto,warm-off,warm-auto"
+    ap.add_argument("--only", default="", help=only)
+    standin = "the SGLang stand-in, backoff 0.5 s (the suite's form: --only warm-off needs no root)"
+    ap.add_argument("--standin", action="store_true", help=standin)
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.only.split(",")))
     if os.geteuid() != 0 and not (wanted and all(w.startswith("warm") for w in wanted)):

@@ -255,6 +255,16 @@ def _until(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: fl
     raise TimeoutError("the daemon did not get there")
 
 
+def _registered(doc: dict[str, Any]) -> bool:
+    return bool((doc.get("router") or {}).get("registered"))
+
+
+async def _reached(
+    d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30
+) -> None:
+    await asyncio.to_thread(_until, d, pred, timeout)
+
+
 def _restart(d: DaemonProcess) -> None:
     d.post("/restart").raise_for_status()
     # Out of ready first, so the wait for ready below is for the new launch.
@@ -275,25 +285,16 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
     daemons = [_daemon(tmp / "a", router, {}), _daemon(tmp / "b", router, {})]
     try:
         for d in daemons:
-            await asyncio.to_thread(_until, d, lambda doc: doc.get("state") == "ready")
+            await _reached(d, lambda doc: doc.get("state") == "ready")
             if "router" not in daemons[0].status():
                 raise NotIntegrated("the daemon's /status has no router section yet")
-            await asyncio.to_thread(
-                _until, d, lambda doc: bool((doc.get("router") or {}).get("registered"))
-            )
+            await _reached(d, _registered)
         load = await _load(router, s)
         try:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
             await asyncio.to_thread(_restart, daemons[1])
-            await asyncio.to_thread(
-                _until,
-                daemons[1],
-                lambda doc: (
-                    doc.get("state") == "ready"
-                    and bool((doc.get("router") or {}).get("registered"))
-                ),
-            )
+            await _reached(daemons[1], lambda doc: doc.get("state") == "ready" and _registered(doc))
             await asyncio.sleep(s.after_s)
         finally:
             stats = await load.stop()
@@ -327,9 +328,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
     a = _daemon(tmp / "a", router, {})
     b: DaemonProcess | None = None
     try:
-        await asyncio.to_thread(
-            _until, a, lambda doc: bool((doc.get("router") or {}).get("registered"))
-        )
+        await _reached(a, _registered)
         with ListWatch(router.url) as watch:
             load = await _load(router, s)
             try:
@@ -337,13 +336,12 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                 began = load.mark("broken replica started")
                 b = _daemon(tmp / "b", router, {**fault, **FIRST})
                 # Sound again: the second launch is decode-verified and registered.
-                await asyncio.to_thread(
-                    _until,
+                await _reached(
                     b,
                     lambda doc: (
                         doc.get("state") == "ready"
-                        and (doc.get("restarts") or {}) != {}
-                        and bool((doc.get("router") or {}).get("registered"))
+                        and bool(doc.get("restarts"))
+                        and _registered(doc)
                     ),
                     s.watch_s + 60,
                 )
@@ -405,12 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("fleet", __doc__)
     p.add_argument("--quick", action="store_true", help="short scenarios (about a minute)")
     p.add_argument("--smoke", action="store_true", help="shorter still: the suite's form")
-    p.add_argument(
-        "--streams",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every 2nd request streams",
-    )
+    streams = argparse.BooleanOptionalAction
+    p.add_argument("--streams", action=streams, default=True, help="every 2nd request streams")
     p.add_argument("--only", default=",".join(APPROACHES))
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)

@@ -176,13 +176,8 @@ async def crash_phase(gpu_: common.Gpu, env: dict[str, str], gib: float) -> dict
         # What a SIGKILLed daemon leaves: its record naming the scheduler, and processes with
         # its marker. The daemon pid is dead.
         RecordStore(str(state)).save(LaunchRecord(2**22 + 1, "primary", (held[0].ident,)))
-        used, procs = gpu_.read()
-        result["gpu_with_orphans"] = {
-            "used_mib": round(used / common.MiB),
-            "processes": {
-                str(p): None if b is None else round(b / common.MiB) for p, b in procs.items()
-            },
-            "parents": {n: h.ppid for n, h in zip(names, held, strict=True)},
+        result["gpu_with_orphans"] = gpu_.usage() | {
+            "parents": {n: h.ppid for n, h in zip(names, held, strict=True)}
         }
         nvml = open_nvml()
         metrics = Metrics()

@@ -160,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         recorded = (*(h.ident for s, h in zip(specs, held, strict=True) if s.record), decoy)
         dead_daemon = 2**22 + 1  # above the default pid_max: no such process
         RecordStore(str(state)).save(LaunchRecord(dead_daemon, "primary", recorded))
-        used1, procs1 = gpu.read()
-        result["gpu_with_leftovers"] = {
-            "used_mib": round(used1 / common.MiB),
-            "processes": {
-                str(p): None if b is None else round(b / common.MiB) for p, b in procs1.items()
-            },
-        }
+        result["gpu_with_leftovers"] = gpu.usage()
         dry = gpu_clean(cfg, env, dry_run=True)
         dry["all_alive_after"] = all(live_process(h.ident) for h in held)
         result["dry_run"] = dry
@@ -240,12 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         everyone = held + blocker
         common.kill_held(everyone)
+        pids = {h.ident.pid for h in everyone}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            _, procs = gpu.read()
-            if not any(live_process(h.ident) for h in everyone) and not set(procs) & {
-                h.ident.pid for h in everyone
-            }:
+            if not any(live_process(h.ident) for h in everyone) and not set(gpu.read()[1]) & pids:
                 break
             time.sleep(0.05)
     common.write_json(args.out, "gpu_leftovers.json", result)

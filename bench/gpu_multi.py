@@ -90,14 +90,9 @@ async def main_async(args: argparse.Namespace) -> int:
             e.update(BENCH_RANK=str(nccl_rank), BENCH_WORLD="2", BENCH_PORT=port)
         return argv, e
 
+    nccl = not args.simulated  # the all-reduce between GPUs 0 and 1
     jobs = [
-        job(
-            i,
-            args.gib,
-            [f"sglang::scheduler_TP{i}"],
-            True,
-            i if i < 2 and not args.simulated else None,
-        )
+        job(i, args.gib, [f"sglang::scheduler_TP{i}"], True, i if i < 2 and nccl else None)
         for i in range(n)
     ]
     jobs.append(job(n - 1, args.gib / 2, ["launch_server", "--tp-size", str(n)], False))

@@ -16,14 +16,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
-    PYTHON,
-    BenchError,
-    Lines,
-    NotifySocket,
-    Procs,
-    iso_time,
-)
+from bench.common import PYTHON, BenchError, Lines, NotifySocket, Procs, state_is
 from supervisor import config as config_mod
 from supervisor.sglang import argv as command
 from testkit import base_config, kill_owned, owned_processes, wait_gone
@@ -148,17 +141,7 @@ class KimiServe:
 
     def wait_state(self, new: str, timeout: float, start: int = 0) -> tuple[int, dict[str, Any]]:
         assert self.lines is not None
-        return self.lines.wait(
-            lambda e: e.get("event") == "state" and e.get("new") == new, timeout, start
-        )
-
-    def wait_event(self, name: str, timeout: float, start: int = 0) -> tuple[int, dict[str, Any]]:
-        assert self.lines is not None
-        return self.lines.wait(lambda e: e.get("event") == name, timeout, start)
-
-    def states(self, start: int = 0) -> list[dict[str, Any]]:
-        assert self.lines is not None
-        return self.lines.find(lambda e: e.get("event") == "state", start)
+        return self.lines.wait(state_is(new), timeout, start)
 
     def child_pid(self) -> int:
         assert self.lines is not None
@@ -166,10 +149,6 @@ class KimiServe:
         if not launched:
             raise BenchError("kimi-serve launched no SGLang")
         return int(launched[-1]["pid"])
-
-    @staticmethod
-    def at(event: dict[str, Any]) -> float:
-        return iso_time(event["timestamp"])
 
     # -- shutdown ------------------------------------------------------------------------
 

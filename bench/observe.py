@@ -49,12 +49,8 @@ def _emit(event: str, **fields: object) -> None:
 
 
 def _decode(conn: http.client.HTTPConnection, tokens: int) -> tuple[bool, str]:
-    body = json.dumps(
-        {
-            "text": "The capital city of France is",
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
-        }
-    )
+    params = {"max_new_tokens": tokens, "temperature": 0}
+    body = json.dumps({"text": "The capital city of France is", "sampling_params": params})
     conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     raw = response.read()
@@ -72,18 +68,9 @@ def _readyz(url: str, deadline: float) -> None:
     a daemon cannot be ready earlier, and polling it during the load would only load it)."""
     u = urlsplit(url)
     while time.monotonic() < deadline:
-        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=1.0)
-        try:
-            conn.request("GET", u.path)
-            response = conn.getresponse()
-            response.read()
-            if response.status == 200:
-                _emit("readyz", t=time.time())
-                return
-        except (OSError, http.client.HTTPException):
-            pass
-        finally:
-            conn.close()
+        if health_status(u.hostname or "127.0.0.1", u.port or 80, 1.0, u.path) == 200:
+            _emit("readyz", t=time.time())
+            return
         time.sleep(0.002)
     _emit("readyz_timeout", t=time.time())
 
@@ -171,11 +158,11 @@ def watch(
     return 1
 
 
-def health_status(host: str, port: int, timeout: float = 1.0) -> int | None:
-    """GET /health: its status, or None when nothing answered."""
+def health_status(host: str, port: int, timeout: float = 1.0, path: str = "/health") -> int | None:
+    """GET `path`: its status, or None when nothing answered."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", "/health")
+        conn.request("GET", path)
         response = conn.getresponse()
         response.read()
         return response.status
@@ -258,12 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="count a bind only after a refusal")
     p.add_argument("--mode", choices=("serve", "broken", "hang", "kill"), default="serve")
     p.add_argument("--window", type=float, default=20.0, help="hang: seconds to keep watching")
-    p.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=3.0,
-        help="broken: how long a decode may take before it counts as failed",
-    )
+    failed = "broken: how long a decode may take before it counts as failed"
+    p.add_argument("--decode-timeout", type=float, default=3.0, help=failed)
     p.add_argument("--readyz", help="serve: also poll this URL from the bind until 200")
     p.add_argument("--pid", type=int, help="kill: the process to SIGKILL")
     a = p.parse_args(argv)

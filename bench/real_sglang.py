@@ -41,13 +41,8 @@ def sglang_env() -> tuple[str, str]:
     """(interpreter, tiny model) from tools/sglang-env (which builds them if needed)."""
     out = []
     for flag in ([], ["--model"]):
-        done = subprocess.run(
-            [str(REPO / "tools" / "sglang-env"), *flag],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            check=True,
-        )
+        argv = [str(REPO / "tools" / "sglang-env"), *flag]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=True)
         out.append(done.stdout.strip().splitlines()[-1])
     return out[0], out[1]
 
@@ -169,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser("real-sglang", __doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
-    ap.add_argument(
-        "--standin", action="store_true", help="the SGLang stand-in instead (the suite's form)"
-    )
+    standin = "the SGLang stand-in instead (the suite's form)"
+    ap.add_argument("--standin", action="store_true", help=standin)
     args = ap.parse_args(argv)
     done = rows(args.rounds, args.standin)
     summary = summarise(done)

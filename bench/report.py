@@ -40,10 +40,13 @@ def _stat_ms(st: Stat | None) -> tuple[str, str]:
     return _ms(st.median), f"{_ms(st.lo)} … {_ms(st.hi)}"
 
 
-def _ratio(base: float | None, kimi: float | None) -> str:
-    if base is None or kimi is None or kimi <= 0 or base <= 0:
-        return "—"
-    return f"{base / kimi:.1f}x"
+def _n_stat(st: Stat | None) -> list[str]:
+    """n, median, min … max of a sample in ms."""
+    return [str(st.n if st else 0), *_stat_ms(st)]
+
+
+def _median(st: Stat | None) -> str:
+    return _ms(st.median if st else None)
 
 
 def _s(results: dict[str, Any], approach: str, key: str) -> Any:
@@ -74,31 +77,11 @@ def readiness(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         lag = Stat.of((x["ready"] - x["decode"]) * 1000 for x in samples)
         bind = Stat.of((x["ready"] - x["bind"]) * 1000 for x in samples)
         medians[a] = lag
-        med, spread = _stat_ms(lag)
-        rows.append(
-            [
-                a,
-                means[a],
-                str(lag.n if lag else 0),
-                med,
-                spread,
-                _ms(bind.median if bind else None),
-                "",
-            ]
-        )
+        rows.append([a, means[a], *_n_stat(lag), _median(bind), ""])
         if a == KIMI:
             rz = Stat.of((x["readyz"] - x["decode"]) * 1000 for x in samples if x.get("readyz"))
-            m, sp = _stat_ms(rz)
             rows.append(
-                [
-                    f"{KIMI} /readyz",
-                    "/readyz 200 (polled every 2 ms)",
-                    str(rz.n if rz else 0),
-                    m,
-                    sp,
-                    "",
-                    "",
-                ]
+                [f"{KIMI} /readyz", "/readyz 200 (polled every 2 ms)", *_n_stat(rz), "", ""]
             )
     k = medians.get(KIMI)
     for row in rows:
@@ -115,20 +98,8 @@ def readiness(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         "ready was reported before the server could serve at all.",
         "Samples: the first start and every relaunch after a kill.",
     ]
-    return (
-        "1. Readiness lag (ms)",
-        [
-            "approach",
-            "ready means",
-            "n",
-            "median",
-            "min … max",
-            "median from bind",
-            "vs kimi-serve",
-        ],
-        rows,
-        notes,
-    ), medians
+    header = ["approach", "ready means", "n", "median", "min … max", "median from bind"]
+    return ("1. Readiness lag (ms)", [*header, "vs kimi-serve"], rows, notes), medians
 
 
 def false_ready(results: dict[str, Any]) -> tuple[Table, dict[str, tuple[int, int]]]:
@@ -179,24 +150,10 @@ def death(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         own = Stat.of((x["noticed"] - x["dead"]) * 1000 for x in d)
         exit_ = Stat.of((x["dead"] - x["kill"]) * 1000 for x in d)
         stats[a] = total
-        med, spread = _stat_ms(total)
-        rows.append(
-            [
-                a,
-                str(total.n if total else 0),
-                med,
-                spread,
-                _ms(own.median if own else None),
-                _ms(exit_.median if exit_ else None),
-                "",
-            ]
-        )
+        rows.append([a, *_n_stat(total), _median(own), _median(exit_), ""])
         if a == KIMI:
             st = Stat.of((x["status_datagram"] - x["kill"]) * 1000 for x in d)
-            m, sp = _stat_ms(st)
-            rows.append(
-                [f"{KIMI} STATUS=", str(st.n if st else 0), m, sp, "", "", "datagram arrival"]
-            )
+            rows.append([f"{KIMI} STATUS=", *_n_stat(st), "", "", "datagram arrival"])
     k = stats.get(KIMI)
     for row in rows:
         base = stats.get(row[0])
@@ -207,17 +164,10 @@ def death(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         "process was gone (the bench's own pidfd); noticed = the supervisor's record "
         "(see bench/scenarios.py). 'exited → noticed' is each supervisor's own share."
     ]
+    header = ["approach", "n", "kill → noticed (median)", "min … max", "exited → noticed"]
     return (
         "3. Death detection (ms)",
-        [
-            "approach",
-            "n",
-            "kill → noticed (median)",
-            "min … max",
-            "exited → noticed",
-            "kill → exited",
-            "vs kimi-serve",
-        ],
+        [*header, "kill → exited", "vs kimi-serve"],
         rows,
         notes,
     ), stats
@@ -235,29 +185,17 @@ def hang(results: dict[str, Any]) -> Table:
             st = Stat.of(t["noticed"] - t["onset"] for t in trials)
             lv = h["liveness"]
             reasons = ", ".join(sorted({t["reason"] for t in trials}))
-            rows.append(
-                [
-                    a,
-                    str(len(trials)),
-                    f"{len(trials)} ({reasons})",
-                    f"{st.median:.2f} s ({st.lo:.2f} … {st.hi:.2f})" if st else "—",
-                    f"liveness every {lv['interval']}, timeout {lv['timeout']}, "
-                    f"{lv['failure_threshold']} strikes",
-                ]
-            )
+            took = f"{st.median:.2f} s ({st.lo:.2f} … {st.hi:.2f})" if st else "—"
+            how = f"liveness every {lv['interval']}, timeout {lv['timeout']}, "
+            how += f"{lv['failure_threshold']} strikes"
+            rows.append([a, str(len(trials)), f"{len(trials)} ({reasons})", took, how])
         else:
             detected = sum(1 for t in h if t["detected"])
             watched = min(t["watched_s"] for t in h)
             health = {s for t in h for s in t["health"]}
-            rows.append(
-                [
-                    a,
-                    str(len(h)),
-                    str(detected),
-                    f"not noticed in {watched:.0f} s" if not detected else "noticed",
-                    f"/health answered {sorted(health, key=str)} throughout",
-                ]
-            )
+            took = f"not noticed in {watched:.0f} s" if not detected else "noticed"
+            how = f"/health answered {sorted(health, key=str)} throughout"
+            rows.append([a, str(len(h)), str(detected), took, how])
     after = results.get("settings", {}).get("hang_after", 30)
     notes = [
         f"Fault decode-hang: after {after} decodes every decode hangs while /health stays 200. "
@@ -298,16 +236,8 @@ def _recovery_parts(a: str, x: dict[str, float]) -> dict[str, float]:
 def recovery(results: dict[str, Any]) -> tuple[list[Table], dict[str, Any]]:
     rows = []
     medians: dict[str, Any] = {}
-    cols = [
-        "detect",
-        "spawned",
-        "load",
-        "after_bind",
-        "total",
-        "serving",
-        "overhead",
-        "ready_vs_serving",
-    ]
+    cols = ["detect", "spawned", "load", "after_bind", "total", "serving", "overhead"]
+    cols.append("ready_vs_serving")
     for a in APPROACHES:
         cyc = _s(results, a, "cycles")
         if not cyc:
@@ -337,15 +267,9 @@ def recovery(results: dict[str, Any]) -> tuple[list[Table], dict[str, Any]]:
     main: Table = (
         "5. Recovery: server killed → serving and ready again (ms, medians)",
         [
-            "approach",
-            "noticed",
-            "kill → respawned",
-            "server load (stand-in)",
-            "bind → ready reported",
-            "kill → ready reported",
-            "kill → serving",
-            "restart overhead",
-            "ready - serving",
+            *("approach", "noticed", "kill → respawned", "server load (stand-in)"),
+            *("bind → ready reported", "kill → ready reported", "kill → serving"),
+            *("restart overhead", "ready - serving"),
         ],
         rows,
         notes,
@@ -368,9 +292,7 @@ def recovery(results: dict[str, Any]) -> tuple[list[Table], dict[str, Any]]:
         }
         krows = []
         for key, text in what.items():
-            st = Stat.of(x[key] * 1000 for x in r)
-            m, sp = _stat_ms(st)
-            krows.append([key, m, sp, text])
+            krows.append([key, *_stat_ms(Stat.of(x[key] * 1000 for x in r)), text])
         tables.append(
             (
                 "5b. kimi-serve recovery, step by step (ms)",
@@ -413,20 +335,13 @@ def log_pump(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
                 if cap
                 else ""
             )
-            row += [
-                f"{fmt_rate(st['achieved'])} ({ratio:.2f}x)",
-                blocked + fill,
-                f"{100 * st['cpu']:.0f}%",
-            ]
+            achieved = f"{fmt_rate(st['achieved'])} ({ratio:.2f}x)"
+            row += [achieved, blocked + fill, f"{100 * st['cpu']:.0f}%"]
         rows.append(row)
         if k is not None:
+            ratio = k["achieved"] / d["achieved"]
             verdict["steps"].append(
-                {
-                    "rate": rate,
-                    "ratio": k["achieved"] / d["achieved"],
-                    "eagain": k["eagain"],
-                    "cpu": k["cpu"],
-                }
+                {"rate": rate, "ratio": ratio, "eagain": k["eagain"], "cpu": k["cpu"]}
             )
     notes = [
         "A pipe holds capacity / (rate x 152 bytes) of log: kimi-serve grows SGLang's pipes to "
@@ -447,16 +362,9 @@ def log_pump(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
             f"(kimi_serve_log_lines_total) and forwarded "
             f"{lp.get('kimi-serve-forwarded', 0)} to its own log (≤ 2000/s)."
         )
-    header = [
-        "offered lines/s",
-        "/dev/null",
-        "kimi-serve (x /dev/null)",
-        "kimi-serve: writes that would block",
-        "kimi-serve CPU",
-        "supervisord (x /dev/null)",
-        "supervisord: writes that would block",
-        "supervisord CPU",
-    ]
+    header = ["offered lines/s", "/dev/null"]
+    for who in ("kimi-serve", "supervisord"):
+        header += [f"{who} (x /dev/null)", f"{who}: writes that would block", f"{who} CPU"]
     return ("6. Log pump: lines/s the child can write", header, rows, notes), verdict
 
 
@@ -475,7 +383,6 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
         st = Stat.of(f["rss_mib"])
         assert st is not None
         out[a] = {"rss": st.median, "rss_max": st.hi, "cpu": f["cpu_pct"]}
-        note = ""
         if a == KIMI:
             note = (
                 f"{f['liveness_probes']:.0f} liveness decode probes, {f['scrapes']} "
@@ -485,29 +392,12 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
                 note += f"; USS {f['uss_mib']:.1f} MiB"
         else:
             note = "supervising the same stand-in; no probes"
-        rows.append(
-            [
-                a,
-                f"{st.median:.1f} (max {st.hi:.1f})",
-                f"{f['cpu_pct']:.2f}%",
-                f"{f['seconds']:.0f}",
-                note,
-            ]
-        )
+        rss = f"{st.median:.1f} (max {st.hi:.1f})"
+        rows.append([a, rss, f"{f['cpu_pct']:.2f}%", f"{f['seconds']:.0f}", note])
     if KIMI in out and SUPERVISORD in out:
-        rows.append(
-            [
-                "kimi-serve ÷ supervisord",
-                f"{out[KIMI]['rss'] / out[SUPERVISORD]['rss']:.1f}x",
-                (
-                    f"{out[KIMI]['cpu'] / out[SUPERVISORD]['cpu']:.1f}x"
-                    if out[SUPERVISORD]["cpu"] > 0
-                    else "—"
-                ),
-                "",
-                "",
-            ]
-        )
+        k, sv = out[KIMI], out[SUPERVISORD]
+        cpu = f"{k['cpu'] / sv['cpu']:.1f}x" if sv["cpu"] > 0 else "—"
+        rows.append(["kimi-serve ÷ supervisord", f"{k['rss'] / sv['rss']:.1f}x", cpu, "", ""])
     notes = [
         "kimi-serve with production timings: a decode probe every 15 s, WATCHDOG_USEC "
         "30 s (the unit's WatchdogSec), a /metrics scrape every 5 s by the bench. RSS "
@@ -533,48 +423,31 @@ def goals(
 ) -> Table:
     rows = []
 
-    def add(goal: str, value: str, ok: bool | None) -> None:
+    def add(goal: str, value: str, ok: Any) -> None:
+        # ok: None where the figure is missing, else whether the goal was met.
         rows.append([goal, value, "—" if ok is None else ("met" if ok else "NOT MET")])
 
-    k = ready.get(KIMI)
-    add(
-        "readiness lag ≤ 100 ms median",
-        f"{k.median:.1f} ms" if k else "—",
-        None if k is None else k.median <= 100,
-    )
-    bad = fr.get(KIMI)
-    add(
-        "false ready = 0",
-        f"{bad[0]} of {bad[1]}" if bad else "—",
-        None if bad is None else bad[0] == 0,
-    )
-    d = dd.get(KIMI)
-    add(
-        "death detection ≤ 10 ms median",
-        f"{d.median:.1f} ms" if d else "—",
-        None if d is None else d.median <= 10,
-    )
+    k, bad, d, f = ready.get(KIMI), fr.get(KIMI), dd.get(KIMI), fp.get(KIMI)
+    add("readiness lag ≤ 100 ms median", f"{k.median:.1f} ms" if k else "—", k and k.median <= 100)
+    add("false ready = 0", f"{bad[0]} of {bad[1]}" if bad else "—", bad and bad[0] == 0)
+    add("death detection ≤ 10 ms median", f"{d.median:.1f} ms" if d else "—", d and d.median <= 10)
     steps = [s for s in lp.get("steps", []) if 0 < s["rate"] <= 100_000]
+    pump = "log pump ≥ 0.8x /dev/null up to 100k lines/s"
     if steps:
         worst = min(s["ratio"] for s in steps)
         blocked = sum(s["eagain"] for s in steps)
-        add("log pump ≥ 0.8x /dev/null up to 100k lines/s", f"worst {worst:.2f}x", worst >= 0.8)
+        add(pump, f"worst {worst:.2f}x", worst >= 0.8)
         add(
             "the child never blocks (up to 100k lines/s)", f"{blocked} blocked writes", blocked == 0
         )
     else:
-        add("log pump ≥ 0.8x /dev/null up to 100k lines/s", "—", None)
-    f = fp.get(KIMI)
+        add(pump, "—", None)
     add(
         "daemon RSS ≤ 60 MiB",
         f"{f['rss_max']:.1f} MiB (max)" if f else "—",
-        None if f is None else f["rss_max"] <= 60,
+        f and f["rss_max"] <= 60,
     )
-    add(
-        "daemon CPU ≤ 1% of one core",
-        f"{f['cpu']:.2f}%" if f else "—",
-        None if f is None else f["cpu"] <= 1.0,
-    )
+    add("daemon CPU ≤ 1% of one core", f"{f['cpu']:.2f}%" if f else "—", f and f["cpu"] <= 1.0)
     return ("Goals", ["goal", "kimi-serve", "verdict"], rows, [])
 
 

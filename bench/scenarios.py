@@ -16,6 +16,7 @@ Definitions used throughout (docs/benchmarks.md repeats them):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import subprocess
 import threading
 import time
@@ -36,6 +37,8 @@ from bench.common import (
     NotifySocket,
     Observer,
     Procs,
+    at,
+    cpu_seconds,
     http_status,
     is_ready_msg,
     kill_now,
@@ -114,6 +117,40 @@ def _hang_env(s: Settings) -> dict[str, str]:
     return {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": str(s.hang_after)}
 
 
+SEED_INCIDENT = {"STANDIN_FAULT": "seed-incident"}
+
+
+def _cfg(ctx: Ctx, work: Path, **kw: Any) -> dict[str, Any]:
+    """The bench's kimi-serve config at this run's stand-in sizes."""
+    return bench_config(work, load_s=ctx.s.load_s, warmup_s=ctx.s.warmup_s, **kw)
+
+
+def _supervisord(
+    ctx: Ctx, work: Path, env: dict[str, str] | None = None
+) -> tuple[sv_mod.Supervisord, int]:
+    """A supervisord (not started) over the stand-in of `work`, and the stand-in's port."""
+    cfg = _cfg(ctx, work, env=env)
+    spec = launch_spec(cfg, work)
+    sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
+    return sv, int(cfg["sglang"]["port"])
+
+
+def _unit(ctx: Ctx, name: str, unit: str, env: dict[str, str] | None = None) -> int:
+    """Install `unit` in the box over the stand-in of the box's `name` directory: its port."""
+    assert ctx.box is not None
+    # Only the box's own directory is visible inside it (it masks /tmp): the stand-in's launch
+    # counter and model path must live there.
+    work = ctx.dir(name, ctx.box.box.workdir)
+    cfg = _cfg(ctx, work, env=env)
+    spec = launch_spec(cfg, work)
+    ctx.box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
+    return int(cfg["sglang"]["port"])
+
+
+def _readiness(when: str, r: dict[str, float], ready: float, **extra: Any) -> dict[str, Any]:
+    return {"when": when, "bind": r["bind"], "decode": r["decode"], "ready": ready, **extra}
+
+
 # In the cycles the serving watcher is started right after the kill, not before: its
 # millisecond connect loop would otherwise compete for the CPU at the very moment a supervisor
 # should notice the death (it still starts long before the next server can bind).
@@ -127,7 +164,7 @@ def _settle(ctx: Ctx, decode_at: float) -> None:
 def _first(events: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool]) -> float:
     for e in events:
         if pred(e):
-            return KimiServe.at(e)
+            return at(e)
     return float("nan")
 
 
@@ -138,12 +175,16 @@ def _named(name: str) -> Callable[[dict[str, Any]], bool]:
 # ====================================================================== phase A: cycles
 
 
+RECOVERY_STEPS = ("detect", "stop", "backoff", "cleaning", "relaunch", "load", "port_seen")
+RECOVERY_STEPS += ("probe", "notify")
+
+
 def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
     """Start, then kill SGLang `cycles` times: readiness, death detection, recovery."""
     s = ctx.s
     work = ctx.dir("kimi-cycles")
     ns = NotifySocket(work / "notify.sock")
-    ks = KimiServe(ctx.procs, work, bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s), ns)
+    ks = KimiServe(ctx.procs, work, _cfg(ctx, work), ns)
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
     try:
         obs = Observer(ctx.procs, ks.port, fresh=False, readyz=ks.admin + "/readyz")
@@ -156,15 +197,7 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
         ready = ns.wait(is_ready_msg, t0, 10)
         if ready is None:
             raise BenchError("kimi-serve reached ready but no READY=1 arrived")
-        out["readiness"].append(
-            {
-                "when": "start",
-                "bind": r["bind"],
-                "decode": r["decode"],
-                "ready": ready[0],
-                "readyz": readyz,
-            }
-        )
+        out["readiness"].append(_readiness("start", r, ready[0], readyz=readyz))
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             pid = ks.child_pid()
@@ -198,30 +231,14 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                     "status_datagram": status[0],
                 }
             )
-            out["recovery"].append(
-                {
-                    "detect": restarting - t_kill,
-                    "stop": gone - restarting,
-                    "backoff": cleaning - gone,
-                    "cleaning": launching - cleaning,
-                    "relaunch": loading - launching,
-                    "load": r["bind"] - loading,
-                    "port_seen": warming - r["bind"],
-                    "probe": ready_state - warming,
-                    "notify": ready[0] - ready_state,
-                    "total": ready[0] - t_kill,
-                    "serving": r["decode"] - t_kill,
-                }
-            )
-            out["readiness"].append(
-                {
-                    "when": "restart",
-                    "bind": r["bind"],
-                    "decode": r["decode"],
-                    "ready": ready[0],
-                    "readyz": readyz,
-                }
-            )
+            # The kill, each step of the recovery in order, READY=1: a step is the gap before it.
+            marks = (t_kill, restarting, gone, cleaning, launching, loading, r["bind"], warming)
+            marks += (ready_state, ready[0])
+            gaps = [b - a for a, b in itertools.pairwise(marks)]
+            steps = dict(zip(RECOVERY_STEPS, gaps, strict=True))
+            total = {"total": ready[0] - t_kill, "serving": r["decode"] - t_kill}
+            out["recovery"].append(steps | total)
+            out["readiness"].append(_readiness("restart", r, ready[0], readyz=readyz))
             ctx.say(
                 f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
                 f"{(restarting - t_kill) * 1000:.1f} ms, ready again "
@@ -235,21 +252,14 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
 
 def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
-    work = ctx.dir("supervisord-cycles")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s)
-    spec = launch_spec(cfg, work)
-    port = int(cfg["sglang"]["port"])
-    sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
+    sv, port = _supervisord(ctx, ctx.dir("supervisord-cycles"))
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
     try:
         obs = Observer(ctx.procs, port, fresh=False)
         sv.start()
         _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
-        r = obs.result(60)
-        obs.close()
-        out["readiness"].append(
-            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": t_run}
-        )
+        r = obs.served(60)
+        out["readiness"].append(_readiness("start", r, t_run))
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             pid = sv.child_pid()
@@ -259,8 +269,7 @@ def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
             _, t_exit, _ = sv.wait(sv_mod.EXITED, 10, start)
             _, t_spawn, _ = sv.wait(sv_mod.SPAWNED, 10, start)
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
-            r = obs.result(30)
-            obs.close()
+            r = obs.served(30)
             _cycle(out, t_kill, death(10), t_exit, t_spawn, t_run, r, "startsecs", t_run - t_spawn)
             ctx.say(
                 f"  supervisord kill {i + 1}/{s.cycles}: noticed "
@@ -295,46 +304,29 @@ def _cycle(
             "serving": r["decode"] - t_kill,
         }
     )
-    out["readiness"].append(
-        {"when": "restart", "bind": r["bind"], "decode": r["decode"], "ready": ready}
-    )
-
-
-def _box_work(ctx: Ctx, name: str) -> Path:
-    # Only the box's own directory is visible inside it (it masks /tmp): the stand-in's launch
-    # counter and model path must live there.
-    assert ctx.box is not None
-    return ctx.dir(name, ctx.box.box.workdir)
+    out["readiness"].append(_readiness("restart", r, ready))
 
 
 def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
     box = ctx.box
     assert box is not None
-    work = _box_work(ctx, "systemd-cycles")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s)
-    spec = launch_spec(cfg, work)
-    port = int(cfg["sglang"]["port"])
     unit = "standin-cycles.service"
-    box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
+    port = _unit(ctx, "systemd-cycles", unit)
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
     try:
         obs = Observer(ctx.procs, port, fresh=False, prefix=box.prefix)
         box.start(unit)
-        r = obs.result(60)
-        obs.close()
+        r = obs.served(60)
         t = box.times(unit)
-        out["readiness"].append(
-            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": t["active"]}
-        )
+        out["readiness"].append(_readiness("start", r, t["active"]))
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             before = box.times(unit)
             pid = box.main_host_pid(unit)
             t_kill, death = kill_now(ctx.procs, pid)
             obs = Observer(ctx.procs, port, prefix=box.prefix)
-            r = obs.result(30)
-            obs.close()
+            r = obs.served(30)
             t = box.wait_restarted(unit, before["restarts"] or 0.0, t_kill, 30)
             exited, started, active = t["noticed"], t["started"], t["active"]
             assert exited is not None and started is not None and active is not None
@@ -357,23 +349,12 @@ class PollerRun:
         self, ctx: Ctx, work: Path, env: dict[str, str] | None = None, seed: int = 0
     ) -> None:
         s = ctx.s
-        cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=env)
+        cfg = _cfg(ctx, work, env=env)
         spec = launch_spec(cfg, work)
         self.port = int(cfg["sglang"]["port"])
+        poller = [PYTHON, "-m", "bench.poller", "--port", str(self.port)]
         self.proc = ctx.procs.start(
-            [
-                PYTHON,
-                "-m",
-                "bench.poller",
-                "--port",
-                str(self.port),
-                "--period",
-                str(s.poller_period),
-                "--seed",
-                str(seed),
-                "--",
-                *spec.argv,
-            ],
+            [*poller, "--period", str(s.poller_period), "--seed", str(seed), "--", *spec.argv],
             env=dict(spec.env),
             stdout=subprocess.PIPE,
             text=True,
@@ -407,11 +388,8 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
     try:
         obs = Observer(ctx.procs, pr.port, fresh=False)
         _, ev = pr.wait("ready", wait_s)
-        r = obs.result(wait_s)
-        obs.close()
-        out["readiness"].append(
-            {"when": "start", "bind": r["bind"], "decode": r["decode"], "ready": ev["t"]}
-        )
+        r = obs.served(wait_s)
+        out["readiness"].append(_readiness("start", r, ev["t"]))
         for i in range(s.poller_cycles):
             _settle(ctx, r["decode"])
             pid, launch = pr.child()
@@ -421,8 +399,7 @@ def poller_cycles(ctx: Ctx) -> dict[str, Any]:
             _, died = pr.wait("died", 30, start)
             _, spawned = pr.wait("spawned", 30, start)
             _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
-            r = obs.result(wait_s)
-            obs.close()
+            r = obs.served(wait_s)
             ready_after = ("ready_after_bind", ready["t"] - r["bind"])
             _cycle(out, t_kill, death(10), died["t"], spawned["t"], ready["t"], r, *ready_after)
             ctx.say(
@@ -489,9 +466,7 @@ def log_pump(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     # kimi-serve: the writer is launched in SGLang's place.
     kwork = ctx.dir("kimi", work)
     result = kwork / "steps.jsonl"
-    cfg = bench_config(
-        kwork, load_s=ctx.s.load_s, warmup_s=ctx.s.warmup_s, env=_flood_env(ctx, result)
-    )
+    cfg = _cfg(ctx, kwork, env=_flood_env(ctx, result))
     cfg["sglang"]["module"] = "bench.flood"
     cfg["sglang"]["args"] = {}
     cfg["readiness"]["load_timeout"] = "30m"
@@ -547,9 +522,7 @@ def kimi_hang(ctx: Ctx) -> dict[str, Any]:
     decode probe must restart SGLang while /health stays 200."""
     s = ctx.s
     work = ctx.dir("kimi-hang")
-    cfg = bench_config(
-        work, load_s=s.load_s, warmup_s=s.warmup_s, liveness=s.hang_liveness, env=_hang_env(s)
-    )
+    cfg = _cfg(ctx, work, liveness=s.hang_liveness, env=_hang_env(s))
     # A hung request keeps SGLang's SIGTERM drain waiting forever; do not wait long at the end.
     cfg["stop"]["drain_timeout"] = "1s"
     ks = KimiServe(ctx.procs, work, cfg)
@@ -563,10 +536,10 @@ def kimi_hang(ctx: Ctx) -> dict[str, Any]:
             onset = float(obs.event("onset", timeout=60)["t"])
             obs.close()
             start, ev = ks.wait_state("restarting", 120, start)
-            trials.append({"onset": onset, "noticed": KimiServe.at(ev), "reason": ev["reason"]})
+            trials.append({"onset": onset, "noticed": at(ev), "reason": ev["reason"]})
             ctx.say(
                 f"  kimi-serve hang: restart ({ev['reason']}) "
-                f"{KimiServe.at(ev) - onset:.2f} s after the hang began"
+                f"{at(ev) - onset:.2f} s after the hang began"
             )
     finally:
         ks.stop()
@@ -579,10 +552,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
     work = ctx.dir("kimi-false-ready")
     ns = NotifySocket(work / "notify.sock")
-    cfg = bench_config(
-        work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
-    )
-    ks = KimiServe(ctx.procs, work, cfg, ns)
+    ks = KimiServe(ctx.procs, work, _cfg(ctx, work, env=SEED_INCIDENT), ns)
     readyz_200 = 0
     polls = 0
     stop = threading.Event()
@@ -607,13 +577,8 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             assert ks.lines is not None
             # The port opened (warming) before the probe found the launch broken.
             warming = [e for e in ks.lines.events[:start] if state_is("warming")(e)]
-            verdicts.append(
-                {
-                    "reason": ev["reason"],
-                    "at": KimiServe.at(ev),
-                    "warming": KimiServe.at(warming[-1]) if warming else None,
-                }
-            )
+            opened = at(warming[-1]) if warming else None
+            verdicts.append({"reason": ev["reason"], "at": at(ev), "warming": opened})
             start += 1
         stop.set()
         poller.join(2)
@@ -639,56 +604,25 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
     }
 
 
-def _broken_check(ctx: Ctx, port: int, prefix: list[str] | None = None) -> dict[str, Any]:
+def _broken_check(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> dict[str, Any]:
     obs = Observer(
-        ctx.procs,
-        port,
-        fresh=False,
-        mode="broken",
-        timeout=60,
-        decode_timeout=ctx.s.broken_timeout,
-        prefix=prefix or [],
-    )
+        ctx.procs, port, fresh=False, mode="broken", timeout=60,
+        decode_timeout=ctx.s.broken_timeout, prefix=list(prefix),
+    )  # fmt: skip
     try:
         return obs.event("verdict", timeout=70)
     finally:
         obs.close()
 
 
-def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
-    """False ready (seed-incident) and hang (decode-hang) under supervisord."""
-    s = ctx.s
-    false_ready: list[dict[str, Any]] = []
-    for i in range(s.false_ready_trials):
-        work = ctx.dir(f"supervisord-false-ready-{i}")
-        cfg = bench_config(
-            work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
-        )
-        spec = launch_spec(cfg, work)
-        sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
-        try:
-            sv.start()
-            _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
-            verdict = _broken_check(ctx, int(cfg["sglang"]["port"]))
-            assert sv.log is not None
-            exited_before = any(
-                t <= verdict["t"]
-                for t, text in sv.log.lines
-                if sv_mod.PROGRAM in text and "exited:" in text
-            )
-            false_ready.append(
-                {
-                    "ready": t_run,
-                    "decode_ok": verdict["decode_ok"],
-                    "still_ready": not exited_before,
-                    "detail": verdict["detail"],
-                }
-            )
-        finally:
-            sv.stop()
-    ctx.say(f"  supervisord false ready: {_fr_count(false_ready)}/{len(false_ready)}")
-    hang = _baseline_hang_supervisord(ctx)
-    return {"false_ready": false_ready, "hang": hang}
+def _fr_trial(ready: float, verdict: dict[str, Any], still_ready: bool) -> dict[str, Any]:
+    """One broken launch under a baseline: was it (still) called ready while a decode failed."""
+    return {
+        "ready": ready,
+        "decode_ok": verdict["decode_ok"],
+        "still_ready": still_ready,
+        "detail": verdict["detail"],
+    }
 
 
 def _fr_count(trials: list[dict[str, Any]]) -> int:
@@ -708,89 +642,82 @@ def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float,
     return onset, window
 
 
-def _baseline_hang_supervisord(ctx: Ctx) -> list[dict[str, Any]]:
-    s = ctx.s
-    work = ctx.dir("supervisord-hang")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=_hang_env(s))
-    spec = launch_spec(cfg, work)
-    sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
-    try:
-        sv.start()
-        sv.wait(sv_mod.RUNNING, 60)
-        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]))
-        assert sv.log is not None
-        restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
-        trial = {
-            "onset": onset,
-            "detected": restarted,
-            "watched_s": window["t"] - onset,
-            "health": window["health"],
-            "decode_ok_at_end": window["decode_ok_at_end"],
-        }
-    finally:
-        sv.stop()
-    ctx.say(
-        f"  supervisord hang: {'restarted' if trial['detected'] else 'not noticed'} "
-        f"in {trial['watched_s']:.0f} s"
-    )
+def _hang_trial(
+    ctx: Ctx, who: str, onset: float, window: dict[str, Any], detected: bool, seen: str
+) -> list[dict[str, Any]]:
+    """A baseline's one hang trial (said as `seen` when it was detected)."""
+    trial = {
+        "onset": onset,
+        "detected": detected,
+        "watched_s": window["t"] - onset,
+        "health": window["health"],
+        "decode_ok_at_end": window["decode_ok_at_end"],
+    }
+    ctx.say(f"  {who} hang: {seen if detected else 'not noticed'} in {trial['watched_s']:.0f} s")
     return [trial]
 
 
+def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
+    """False ready (seed-incident) and hang (decode-hang) under supervisord."""
+    false_ready: list[dict[str, Any]] = []
+    for i in range(ctx.s.false_ready_trials):
+        sv, port = _supervisord(ctx, ctx.dir(f"supervisord-false-ready-{i}"), SEED_INCIDENT)
+        try:
+            sv.start()
+            _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
+            verdict = _broken_check(ctx, port)
+            assert sv.log is not None
+            exited_before = any(
+                t <= verdict["t"]
+                for t, text in sv.log.lines
+                if sv_mod.PROGRAM in text and "exited:" in text
+            )
+            false_ready.append(_fr_trial(t_run, verdict, not exited_before))
+        finally:
+            sv.stop()
+    ctx.say(f"  supervisord false ready: {_fr_count(false_ready)}/{len(false_ready)}")
+
+    sv, port = _supervisord(ctx, ctx.dir("supervisord-hang"), _hang_env(ctx.s))
+    try:
+        sv.start()
+        sv.wait(sv_mod.RUNNING, 60)
+        onset, window = _watch_hang(ctx, port)
+        assert sv.log is not None
+        restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
+    finally:
+        sv.stop()
+    hang = _hang_trial(ctx, "supervisord", onset, window, restarted, "restarted")
+    return {"false_ready": false_ready, "hang": hang}
+
+
 def systemd_faults(ctx: Ctx) -> dict[str, Any]:
-    s = ctx.s
     box = ctx.box
     assert box is not None
     false_ready: list[dict[str, Any]] = []
-    for i in range(s.false_ready_trials):
-        work = _box_work(ctx, f"systemd-false-ready-{i}")
-        cfg = bench_config(
-            work, load_s=s.load_s, warmup_s=s.warmup_s, env={"STANDIN_FAULT": "seed-incident"}
-        )
-        spec = launch_spec(cfg, work)
+    for i in range(ctx.s.false_ready_trials):
         unit = f"standin-false-ready-{i}.service"
-        box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
+        port = _unit(ctx, f"systemd-false-ready-{i}", unit, SEED_INCIDENT)
         try:
             box.start(unit)
             active = box.times(unit)["active"]
-            verdict = _broken_check(ctx, int(cfg["sglang"]["port"]), box.prefix)
+            verdict = _broken_check(ctx, port, box.prefix)
             state = box.show(unit, "ActiveState", "NRestarts")
-            false_ready.append(
-                {
-                    "ready": active,
-                    "decode_ok": verdict["decode_ok"],
-                    "detail": verdict["detail"],
-                    "still_ready": state.get("ActiveState") == "active"
-                    and state.get("NRestarts") == "0",
-                }
-            )
+            still = state.get("ActiveState") == "active" and state.get("NRestarts") == "0"
+            false_ready.append(_fr_trial(active, verdict, still))
         finally:
             box.stop_unit(unit)
     ctx.say(f"  systemd false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
-    work = _box_work(ctx, "systemd-hang")
-    cfg = bench_config(work, load_s=s.load_s, warmup_s=s.warmup_s, env=_hang_env(s))
-    spec = launch_spec(cfg, work)
     unit = "standin-hang.service"
-    box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
+    port = _unit(ctx, "systemd-hang", unit, _hang_env(ctx.s))
     try:
         box.start(unit)
-        onset, window = _watch_hang(ctx, int(cfg["sglang"]["port"]), box.prefix)
+        onset, window = _watch_hang(ctx, port, box.prefix)
         t = box.times(unit)
-        hang = [
-            {
-                "onset": onset,
-                "detected": bool(t["restarts"]) or (t["noticed"] or 0) > onset,
-                "watched_s": window["t"] - onset,
-                "health": window["health"],
-                "decode_ok_at_end": window["decode_ok_at_end"],
-            }
-        ]
     finally:
         box.stop_unit(unit)
-    ctx.say(
-        f"  systemd hang: {'restarted' if hang[0]['detected'] else 'not noticed'} "
-        f"in {hang[0]['watched_s']:.0f} s"
-    )
+    detected = bool(t["restarts"]) or (t["noticed"] or 0) > onset
+    hang = _hang_trial(ctx, "systemd", onset, window, detected, "restarted")
     return {"false_ready": false_ready, "hang": hang}
 
 
@@ -799,12 +726,7 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
     wait_s = s.load_s + s.poller_period + 30
     false_ready: list[dict[str, Any]] = []
     for i in range(s.false_ready_trials):
-        pr = PollerRun(
-            ctx,
-            ctx.dir(f"poller-false-ready-{i}"),
-            env={"STANDIN_FAULT": "seed-incident"},
-            seed=10 + i,
-        )
+        pr = PollerRun(ctx, ctx.dir(f"poller-false-ready-{i}"), SEED_INCIDENT, seed=10 + i)
         try:
             _, ready = pr.wait("ready", wait_s)
             verdict = _broken_check(ctx, pr.port)
@@ -813,14 +735,7 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
                 for e in pr.lines.find(lambda e: e.get("event") in ("unready", "died"))
                 if e["t"] <= verdict["t"]
             ]
-            false_ready.append(
-                {
-                    "ready": ready["t"],
-                    "decode_ok": verdict["decode_ok"],
-                    "detail": verdict["detail"],
-                    "still_ready": not unready,
-                }
-            )
+            false_ready.append(_fr_trial(ready["t"], verdict, not unready))
         finally:
             pr.stop()
     ctx.say(f"  poller false ready: {_fr_count(false_ready)}/{len(false_ready)}")
@@ -830,22 +745,13 @@ def poller_faults(ctx: Ctx) -> dict[str, Any]:
         pr.wait("ready", wait_s)
         onset, window = _watch_hang(ctx, pr.port)
         noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died") and e["t"] > onset)
-        hang = [
-            {
-                "onset": onset,
-                "detected": bool(noticed),
-                "watched_s": window["t"] - onset,
-                "health": window["health"],
-                "decode_ok_at_end": window["decode_ok_at_end"],
-            }
-        ]
     finally:
         pr.stop()
-    ctx.say(
-        f"  poller hang: {'noticed' if hang[0]['detected'] else 'not noticed'} "
-        f"in {hang[0]['watched_s']:.0f} s"
-    )
+    hang = _hang_trial(ctx, "poller", onset, window, bool(noticed), "noticed")
     return {"false_ready": false_ready, "hang": hang}
+
+
+LIVENESS_OK = 'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}'
 
 
 def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
@@ -855,34 +761,22 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
     work = ctx.dir("footprint")
     ns = NotifySocket(work / "notify.sock")
     kwork = ctx.dir("kimi", work)
-    ks = KimiServe(
-        ctx.procs,
-        kwork,
-        bench_config(kwork, load_s=s.load_s, warmup_s=s.warmup_s),
-        ns,
-        env={"WATCHDOG_USEC": "30000000"},
-    )
+    ks = KimiServe(ctx.procs, kwork, _cfg(ctx, kwork), ns, env={"WATCHDOG_USEC": "30000000"})
     sv = None
     out: dict[str, Any] = {}
     try:
         ks.start()
         if with_supervisord:
-            swork = ctx.dir("supervisord", work)
-            cfg = bench_config(swork, load_s=s.load_s, warmup_s=s.warmup_s)
-            spec = launch_spec(cfg, swork)
-            sv = sv_mod.Supervisord(ctx.procs, swork / "sv", spec.argv, dict(spec.env)).start()
+            sv = _supervisord(ctx, ctx.dir("supervisord", work))[0].start()
             sv.wait(sv_mod.RUNNING, 60)
         ks.wait_state("ready", 90)
         time.sleep(s.load_s + s.warmup_s + (5.0 if not s.quick else 0.5))
         targets = {KIMI: psutil.Process(ks.pid)}
         if sv is not None:
             targets[SUPERVISORD] = psutil.Process(sv.pid)
-        cpu0 = {k: p.cpu_times() for k, p in targets.items()}
+        cpu0 = {k: cpu_seconds(p) for k, p in targets.items()}
         t0 = time.time()
-        liveness0 = _metric(
-            _get(ks.admin + "/metrics"),
-            'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}',
-        )
+        liveness0 = _metric(_get(ks.admin + "/metrics"), LIVENESS_OK)
         rss: dict[str, list[float]] = {k: [] for k in targets}
         watchdog0 = ns.count(lambda m: m == "WATCHDOG=1")
         scrapes = 0
@@ -893,19 +787,12 @@ def footprint(ctx: Ctx, with_supervisord: bool) -> dict[str, Any]:
                 rss[k].append(p.memory_info().rss / 2**20)
             time.sleep(max(0.0, t0 + scrapes * s.scrape_every - time.time()))
         t1 = time.time()
-        cpu1 = {k: p.cpu_times() for k, p in targets.items()}
-        liveness1 = _metric(
-            _get(ks.admin + "/metrics"),
-            'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}',
-        )
+        cpu1 = {k: cpu_seconds(p) for k, p in targets.items()}
+        liveness1 = _metric(_get(ks.admin + "/metrics"), LIVENESS_OK)
         for k in targets:
-            used = (cpu1[k].user + cpu1[k].system) - (cpu0[k].user + cpu0[k].system)
-            out[k] = {
-                "rss_mib": rss[k],
-                "cpu_s": used,
-                "seconds": t1 - t0,
-                "cpu_pct": 100 * used / (t1 - t0),
-            }
+            used, span = cpu1[k] - cpu0[k], t1 - t0
+            out[k] = {"rss_mib": rss[k], "cpu_s": used, "seconds": span}
+            out[k]["cpu_pct"] = 100 * used / span
         with contextlib.suppress(psutil.Error):
             out[KIMI]["uss_mib"] = targets[KIMI].memory_full_info().uss / 2**20
         out[KIMI]["liveness_probes"] = liveness1 - liveness0

@@ -41,29 +41,13 @@ def ensure() -> Path:
     if STAMP.exists() and STAMP.read_text().strip() == VERSION and exe.exists():
         return exe
     base = Path(sys.base_prefix) / "bin" / "python3"
+    pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     try:
-        subprocess.run(
-            [str(base), "-m", "venv", "--clear", str(VENV)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        subprocess.run(
-            [
-                str(VENV / "bin" / "python"),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                f"supervisor=={VERSION}",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        for argv, timeout in (
+            ([str(base), "-m", "venv", "--clear", str(VENV)], 120),
+            ([*pip, "--disable-pip-version-check", f"supervisor=={VERSION}"], 300),
+        ):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=timeout)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         raise Unavailable(
@@ -121,11 +105,6 @@ class LogFollower:
     def __len__(self) -> int:
         with self._cond:
             return len(self.lines)
-
-    def count(self, pattern: str, start: int = 0) -> int:
-        rx = re.compile(pattern)
-        with self._cond:
-            return sum(1 for _, t in self.lines[start:] if rx.search(t))
 
     def close(self) -> None:
         self._stop.set()

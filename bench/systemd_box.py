@@ -52,17 +52,8 @@ class SystemdBox:
         """Run a command in the box's namespaces (same filesystem, the box's loopback)."""
         return ["nsenter", "-t", str(self.box.pid), "-a", "--"]
 
-    @property
-    def pid(self) -> int:
-        return int(self.box.pid)
-
     def install(
-        self,
-        name: str,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        workdir: Path,
-        extra: Sequence[str] = (),
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], workdir: Path
     ) -> None:
         from testkit.box import exec_line
 
@@ -82,7 +73,6 @@ class SystemdBox:
             # A stand-in with a hung request drains forever on SIGTERM, as SGLang does; the
             # bench's clean-up should not wait the default 90 s for the SIGKILL.
             "TimeoutStopSec=3s",
-            *extra,
         ]
         self.box.install_unit(name, "\n".join(lines) + "\n")
 
@@ -100,14 +90,8 @@ class SystemdBox:
         return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
 
     def times(self, name: str) -> dict[str, float | None]:
-        raw = self.show(
-            name,
-            "ActiveEnterTimestamp",
-            "ExecMainStartTimestamp",
-            "ActiveExitTimestamp",
-            "NRestarts",
-            "MainPID",
-        )
+        stamps = ("ActiveEnterTimestamp", "ExecMainStartTimestamp", "ActiveExitTimestamp")
+        raw = self.show(name, *stamps, "NRestarts", "MainPID")
         return {
             "active": _stamp(raw.get("ActiveEnterTimestamp", "")),
             "started": _stamp(raw.get("ExecMainStartTimestamp", "")),
