@@ -6,7 +6,8 @@ The modules that start real SGLang servers, boot systemd or install the package 
 one group, `serial`, run one after another on one worker: they are heavy (a real launch takes
 20-60 s of both cores) and share the real-SGLang environment, its canary model build and the
 box's host-wide checks. Every other module is a group of its own, spread over the workers
-beside them. The largest group (by tests) starts first: `serial`.
+beside them, the largest (by tests) first; `serial` goes before all of them, and its worker
+takes nothing else until it is nearly done.
 
 The groups are given to xdist's scheduler here rather than as `xdist_group` marks: pytest-xdist
 3.8 tags a marked test by rewriting `item._nodeid`, which pytest 9.2 no longer reads
@@ -39,5 +40,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class ModuleGroups(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The serial group first: it is the longest, and while more than two of its tests
+            # are pending its worker is given nothing else (LoadScopeScheduling._reschedule).
+            if SERIAL_GROUP in self.workqueue:
+                self.workqueue.move_to_end(SERIAL_GROUP, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleGroups(config, log)
