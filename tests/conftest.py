@@ -2,12 +2,12 @@
 `-n 2 --dist loadgroup`): every module runs whole on one worker, in file order, so module- and
 session-scoped fixtures are set up once and tests that build on the one before still do.
 
-The modules that start real SGLang servers, boot systemd or install the package in a box are
-one group, `serial`, run one after another on one worker: they are heavy (a real launch takes
-20-60 s of both cores) and share the real-SGLang environment, its canary model build and the
-box's host-wide checks. Every other module is a group of its own, spread over the workers
-beside them, the largest (by tests) first; `serial` goes before all of them, and its worker
-takes nothing else until it is nearly done.
+The modules that start real SGLang servers, boot systemd or install the package in a box, and
+the two that time real SGLang's parser, are one group, `serial`, run one after another on one
+worker: they are heavy (a real launch takes 20-60 s of both cores) and share the real-SGLang
+environment, its canary model build and the box's host-wide checks. Every other module is a
+group of its own, spread over the workers beside them, the largest (by tests) first; `serial`
+goes before all of them, and its worker takes nothing else until it is nearly done.
 
 The groups are given to xdist's scheduler here rather than as `xdist_group` marks: pytest-xdist
 3.8 tags a marked test by rewriting `item._nodeid`, which pytest 9.2 no longer reads
@@ -22,13 +22,21 @@ from typing import Any
 import pytest
 
 SERIAL_GROUP = "serial"
-SERIAL_DIRS = ("tests/realsglang/", "tests/conformance/", "tests/systemd/", "tests/packaging/")
+SERIAL = (
+    "tests/realsglang/",
+    "tests/conformance/",
+    "tests/systemd/",
+    "tests/packaging/",
+    # Real SGLang's parser, timed ("in seconds"): never beside a real server's launch.
+    "tests/preflight/test_parser_real.py",
+    "tests/preflight/test_run_exit.py",
+)
 
 
 def group_of(nodeid: str) -> str:
     """The group of a test: `serial` for the heavy modules, else its module's path."""
     module = nodeid.split("::", 1)[0]
-    return SERIAL_GROUP if module.startswith(SERIAL_DIRS) else module
+    return SERIAL_GROUP if module.startswith(SERIAL) else module
 
 
 @pytest.hookimpl(optionalhook=True)
