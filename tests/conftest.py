@@ -1,6 +1,7 @@
-"""How the suite is split between pytest-xdist workers (`scripts/test` runs
-`-n 2 --dist loadgroup`): every module runs whole on one worker, in file order, so module- and
-session-scoped fixtures are set up once and tests that build on the one before still do.
+"""How the suite is split between pytest-xdist workers (`scripts/test -n 2 --dist loadgroup`,
+or pytest with the same options): every module runs whole on one worker, in file order, so
+module- and session-scoped fixtures are set up once and tests that build on the one before
+still do.
 
 The modules that start real SGLang servers, boot systemd or install the package in a box, and
 the two that time real SGLang's parser, are one group, `serial`, run one after another on one
