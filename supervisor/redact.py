@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 REDACTED = "<redacted>"
 
@@ -101,6 +102,24 @@ def _could_hold_a_secret(text: str) -> bool:
     if "=" not in text and "'" not in text and '"' not in text and "--" not in text:
         return False
     return _HINT.search(text) is not None
+
+
+def document(value: Any) -> Any:
+    """A JSON document (SGLang's /server_info) with every secret out: the value of a field named
+    as a secret (`api_key`, `admin_api_key`, `hf_token`, at any depth) is <redacted> unless unset
+    (None, "", false), and every string is `line()`d (a `launch_command` carries `--api-key`)."""
+    if isinstance(value, dict):
+        return {
+            k: REDACTED
+            if isinstance(k, str) and is_secret_flag(k) and value[k] not in (None, "", False)
+            else document(value[k])
+            for k in value
+        }
+    if isinstance(value, list):
+        return [document(v) for v in value]
+    if isinstance(value, str):
+        return line(value)
+    return value
 
 
 def argv(tokens: Iterable[str]) -> list[str]:

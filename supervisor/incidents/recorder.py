@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import redact
 from supervisor.config import Config
 from supervisor.incidents import Incident, IncidentStore, Written, digest_file, stacks
 from supervisor.sglang.loadphases import LoadTimeline
@@ -112,7 +113,9 @@ class IncidentRecorder:
 
     def server_info(self, doc: dict[str, Any]) -> None:
         if self._cur is not None:
-            self._cur.server_info = doc
+            # Kept for the incident: SGLang's answer names its API key (api_key, launch_command,
+            # internal_states), and incident directories are made to be shared.
+            self._cur.server_info = redact.document(doc)
             # A release that reports its startup timings there (0.5.23: `startup_time`) fills
             # in what its log line did not give.
             if self._cur.timeline.server_info(doc) and self._cur.ready_at_unix is not None:

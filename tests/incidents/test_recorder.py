@@ -78,6 +78,31 @@ async def test_an_exit_takes_no_dump_and_says_so(tmp_path: Path) -> None:
     }
 
 
+def test_the_incident_keeps_server_info_without_the_key(tmp_path: Path) -> None:
+    # SGLang 0.5.23's /server_info of a keyed server: the key in three places.
+    key = "sk-live-0123456789abcdef"
+    rec = make(tmp_path)
+    rec.launched(launch=2, profile="primary", mono_now=0.0)
+    rec.server_info(
+        {
+            "version": "0.5.23",
+            "api_key": key,
+            "admin_api_key": None,
+            "launch_command": f"python -m sglang.launch_server --api-key {key} --port 30000",
+            "internal_states": [{"api_key": key, "tp_size": 1}],
+        }
+    )
+    w = rec.record("exited", "killed by signal 9", None, 9, [], [])
+    assert w is not None and w.path is not None
+    text = (w.path / "incident.json").read_text()
+    assert key not in text
+    info = json.loads(text)["server_info"]
+    assert info["api_key"] == "<redacted>" and info["admin_api_key"] is None
+    assert info["internal_states"] == [{"api_key": "<redacted>", "tp_size": 1}]
+    assert "--api-key <redacted> --port 30000" in info["launch_command"]
+    assert info["version"] == "0.5.23"
+
+
 async def test_requested_restarts_leave_no_incident(tmp_path: Path) -> None:
     rec = make(tmp_path)
     rec.launched(launch=1, profile="primary", mono_now=0.0)

@@ -154,11 +154,6 @@ def test_real_load_timeline_and_stacks_of_a_hung_server(keyed: Real) -> None:
     HUNG["incident"] = inc
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="incident.json keeps /server_info as SGLang answers it: api_key and launch_command"
-    " hold the key (the files are 0600 in a 0700 directory)",
-)
 def test_the_incident_of_a_keyed_server_holds_no_key() -> None:
     assert HUNG, "the hang test did not run"
     inc = HUNG["incident"]
