@@ -55,7 +55,13 @@ def gpu_clean(config: Path, env: dict[str, str], dry_run: bool) -> dict[str, Any
     started = time.monotonic()
     p = subprocess.run(
         argv + (["--dry-run"] if dry_run else []),
-        env={**env, "PYTHONPATH": str(common.REPO_ROOT)},
+        # The repository first, then whatever the caller's path had (a GPU host's carried wheels).
+        env={
+            **env,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(common.REPO_ROOT), env.get("PYTHONPATH")) if p
+            ),
+        },
         cwd=common.REPO_ROOT,
         capture_output=True,
         text=True,
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         blocked = gpu_clean(cfg2, env, dry_run=False)
         blocked["foreign_pid"] = blocker[0].ident.pid
         blocked["foreign_survived"] = live_process(blocker[0].ident) is not None
-        blocked["last_line"] = blocked["stdout"].strip().splitlines()[-1]
+        said = (blocked["stdout"].strip() or blocked["stderr"].strip()).splitlines()
+        blocked["last_line"] = said[-1] if said else f"(no output; exit {blocked['rc']})"
         result["blocked"] = blocked
     finally:
         everyone = held + blocker
