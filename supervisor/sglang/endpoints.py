@@ -97,13 +97,14 @@ async def server_info(
 
 async def post_generate(
     client: httpx.AsyncClient, base_url: str, path: str, body: Mapping[str, Any], limit: float
-) -> tuple[int, bytes | None]:
-    """POST a generate request: (HTTP status, the raw answer, or None past MAX_ANSWER_BYTES).
+) -> tuple[int, bytes]:
+    """POST a generate request: (HTTP status, the raw answer).
 
     One total deadline (`limit`): httpx's own timeouts are per read, so a server that trickles
-    a byte at a time would otherwise keep the request alive forever. The answer is read as sent
-    (`identity`): the cap counts the bytes on the wire, and a compressing proxy must not turn
-    every answer into "malformed". Raises TimeoutError and httpx's errors: the caller's verdict.
+    a byte at a time would otherwise keep the request alive forever. The answer is asked for as
+    sent (`identity`) and read through `untrusted.read_capped`: untrusted.BadAnswer past
+    MAX_ANSWER_BYTES (declared or sent) or for an encoded answer. Raises TimeoutError and
+    httpx's errors too: the caller's verdict.
     """
     async with asyncio.timeout(limit):
         async with client.stream(
@@ -113,14 +114,7 @@ async def post_generate(
             timeout=limit,
             headers={"Accept-Encoding": "identity"},
         ) as response:
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in response.aiter_raw():
-                size += len(chunk)
-                if size > MAX_ANSWER_BYTES:
-                    return response.status_code, None
-                chunks.append(chunk)
-            return response.status_code, b"".join(chunks)
+            return response.status_code, await untrusted.read_capped(response, MAX_ANSWER_BYTES)
 
 
 async def abort(

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from supervisor import untrusted
 from supervisor.config import ProbeConfig
 from supervisor.sglang import endpoints
 from supervisor.sglang.logscan import OWN_RID_MARK
@@ -30,7 +31,6 @@ from supervisor.sglang.logscan import OWN_RID_MARK
 _T = TypeVar("_T")
 # Present in meta_info only when speculative verification ran (docs/sglang.md).
 SPEC_VERIFY_KEY = "spec_verify_ct"
-MAX_BODY_BYTES = endpoints.MAX_ANSWER_BYTES  # a probe answer is a few hundred bytes
 # Every `reason` a failed probe can carry (the label of kimi_serve_probe_failures_total).
 FAILURE_REASONS = (
     "connect",
@@ -106,12 +106,6 @@ def request_for(cfg: ProbeConfig, rid: str | None = None) -> tuple[str, dict[str
 def new_rid(kind: str = "probe") -> str:
     """A request id no client of SGLang would send: recognisable in SGLang's own logs."""
     return f"{OWN_RID_MARK}{kind}-{uuid.uuid4().hex[:16]}"
-
-
-ABORT_TIMEOUT_S = endpoints.ABORT_TIMEOUT_S
-
-
-abort_request = endpoints.abort
 
 
 def _int(value: object) -> int | None:
@@ -235,8 +229,8 @@ async def probe(
     rid: str | None = None,
 ) -> ProbeResult:
     """One decode probe. Never raises (except cancellation); never outlives `timeout` by more
-    than the abort of a timed-out probe (ABORT_TIMEOUT_S, and never longer than the probe's own
-    timeout: a frozen SGLang answers neither, and detection must not wait on the abort).
+    than the abort of a timed-out probe (endpoints.ABORT_TIMEOUT_S, and never longer than the
+    probe's own timeout: a frozen SGLang answers neither, and detection must not wait on it).
 
     With `rid`, the request carries it and a probe that timed out is aborted inside SGLang.
     """
@@ -244,9 +238,13 @@ async def probe(
     if rid is None:
         return result
     if result.reason == "timeout":
-        bound = ABORT_TIMEOUT_S if timeout is None else min(ABORT_TIMEOUT_S, timeout)
+        bound = (
+            endpoints.ABORT_TIMEOUT_S
+            if timeout is None
+            else min(endpoints.ABORT_TIMEOUT_S, timeout)
+        )
         return dataclasses.replace(
-            result, rid=rid, aborted=await abort_request(client, base_url, rid, bound)
+            result, rid=rid, aborted=await endpoints.abort(client, base_url, rid, bound)
         )
     return dataclasses.replace(result, rid=rid)
 
@@ -271,6 +269,8 @@ async def _probe(
         return ProbeResult(False, "connect", f"cannot connect: {exc}", clock() - start, not_up=True)
     except httpx.TimeoutException:
         return ProbeResult(False, "timeout", f"no answer within {limit:g}s", clock() - start)
+    except untrusted.BadAnswer as exc:  # over endpoints.MAX_ANSWER_BYTES, or encoded
+        return ProbeResult(False, "malformed", str(exc), clock() - start)
     except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
         return ProbeResult(False, "connect", f"bad URL {base_url!r}: {exc}", clock() - start)
     except (httpx.HTTPError, OSError, ValueError) as exc:
@@ -280,10 +280,6 @@ async def _probe(
     except Exception as exc:  # e.g. an ExceptionGroup from the transport: still a verdict
         return ProbeResult(False, "connect", f"{type(exc).__name__}: {exc}", clock() - start)
     latency = clock() - start
-    if raw is None:
-        return ProbeResult(
-            False, "malformed", f"answer larger than {MAX_BODY_BYTES} bytes", latency
-        )
     if status == 503:
         # SGLang answers 503 while it is still starting (or draining).
         return ProbeResult(False, "http_status", "HTTP 503: not serving yet", latency, not_up=True)

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from supervisor.config import ProbeConfig
 from supervisor.daemon import probing
 from supervisor.sglang import endpoints
-from supervisor.sglang.probe import MAX_BODY_BYTES, ProbeResult, judge, probe
+from supervisor.sglang.endpoints import MAX_ANSWER_BYTES as MAX_BODY_BYTES
+from supervisor.sglang.probe import ProbeResult, judge, probe
 from testkit.loopback import read_request
 from testkit.reliability import soak_factor, trial
 

@@ -23,9 +23,9 @@ from aiohttp.test_utils import TestServer
 
 from supervisor import config
 from supervisor.config import ProbeConfig
+from supervisor.sglang.endpoints import MAX_ANSWER_BYTES as MAX_BODY_BYTES
 from supervisor.sglang.probe import (
     FAILURE_REASONS,
-    MAX_BODY_BYTES,
     PROBE_PROMPT_ALLOWANCE,
     ProbeResult,
     Progress,
