@@ -46,17 +46,10 @@ async def sglang_load(
     client: httpx.AsyncClient, sglang_url: str, timeout: float
 ) -> tuple[tuple[float, float] | None, str | None]:
     """(running, queued) from SGLang's /metrics, or why it cannot be read."""
-    url = sglang_url.rstrip("/") + "/metrics"
-    try:
-        async with asyncio.timeout(timeout):
-            r = await client.get(url, timeout=timeout)
-    except (TimeoutError, httpx.HTTPError, OSError) as exc:
-        return None, f"SGLang's /metrics did not answer ({type(exc).__name__})"
-    if r.status_code == 404:
-        return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
-    if r.status_code != 200:
-        return None, f"SGLang's /metrics answered HTTP {r.status_code}"
-    load = parse_load(r.text)
+    text, why = await endpoints.get_metrics(client, sglang_url, timeout)
+    if text is None:
+        return None, why
+    load = parse_load(text)
     if load is None:
         return None, "SGLang's /metrics is not served (no sglang:num_running_reqs in it)"
     return load, None

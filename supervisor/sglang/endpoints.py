@@ -62,16 +62,27 @@ def mean(samples: Samples, name: str) -> float | None:
     return statistics.fmean(found) if found else None
 
 
+async def get_metrics(
+    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
+) -> tuple[str | None, str | None]:
+    """(SGLang's /metrics exposition, None), or (None, why it cannot be had within `timeout`)."""
+    try:
+        async with asyncio.timeout(timeout):
+            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+    except (TimeoutError, httpx.HTTPError, OSError) as exc:
+        return None, f"SGLang's /metrics did not answer ({type(exc).__name__})"
+    if r.status_code == 404:
+        return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
+    if r.status_code != 200:
+        return None, f"SGLang's /metrics answered HTTP {r.status_code}"
+    return r.text, None
+
+
 async def fetch_metrics(
     client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
 ) -> str | None:
     """SGLang's /metrics exposition, or None when it does not answer 200 within `timeout`."""
-    try:
-        async with asyncio.timeout(timeout):
-            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
-    except (TimeoutError, httpx.HTTPError, OSError):
-        return None
-    return r.text if r.status_code == 200 else None
+    return (await get_metrics(client, base_url, timeout))[0]
 
 
 async def server_info(
