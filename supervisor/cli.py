@@ -44,7 +44,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    for warning in command.launch_warnings(cfg):
+    for warning in config_mod.launch_warnings(cfg):
         print(f"warning: {warning}", file=err)
     from supervisor import router
 

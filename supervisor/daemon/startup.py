@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 
-from supervisor import log, preflight
+from supervisor import config, log, preflight
 from supervisor.config import Config
 from supervisor.daemon import host
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.observed import Observed
 from supervisor.gpu.nvml import Nvml, NvmlUnavailable
-from supervisor.sglang import argv as command
 from supervisor.threads import in_thread
 
 # SGLang's parser gets 180 s of its own (a cold disk, a slow import); the rest is paths and GPUs.
@@ -67,7 +66,7 @@ async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
         log.get().error("preflight", message=check.message, **what)
     if code is not None:
         raise CannotStart(preflight.summary(checks), code)
-    for warning in command.launch_warnings(cfg):  # e.g. SPT_NOENV missing (docs/sglang.md)
+    for warning in config.launch_warnings(cfg):  # e.g. SPT_NOENV missing (docs/sglang.md)
         log.get().warning(warning)
     version: str | None = "unknown"
     with contextlib.suppress(TimeoutError):

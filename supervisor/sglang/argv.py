@@ -1,9 +1,4 @@
-"""Config + profile -> the exact SGLang command line and environment. Pure: no I/O.
-
-The warnings about a config's launch (`launch_warnings`: a secret flag on the command line, no
-SPT_NOENV) are checks across keys and live with the others, in supervisor/config/checks.py;
-they stay importable from here.
-"""
+"""Config + profile -> the exact SGLang command line and environment. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -13,11 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import redact
-from supervisor.config import PRIMARY, ArgValue, Config, tp_size
-from supervisor.config import merged_args as merged_args
-from supervisor.config import merged_env as merged_env
-from supervisor.config.checks import SPT_NOENV as SPT_NOENV
-from supervisor.config.checks import launch_warnings as launch_warnings
+from supervisor.config import PRIMARY, ArgValue, Config, merged_args, merged_env, tp_size
 from supervisor.sglang import caches
 
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from supervisor import config
 from supervisor.config import Config
-from supervisor.sglang import argv as command
 from supervisor.sglang import caches
 from supervisor.sglang.argv import build, flag_tokens
 
@@ -195,7 +194,7 @@ def test_env_merging() -> None:
     assert own(build(cfg).env) == {"KEEP": "1", "DROP": "2", "CHANGE": "old"}
     spec = build(cfg, "p")
     assert own(spec.env) == {"KEEP": "1", "CHANGE": "new", "ADD": "a b"}
-    assert command.merged_env(cfg, "p") == own(spec.env)
+    assert config.merged_env(cfg, "p") == own(spec.env)
     assert spec.env_lines() == sorted(
         [
             *(f"{k}={v}" for k, v in caches.env(cfg.warm.cache_dir).items()),
