@@ -86,8 +86,8 @@ class Daemon:
 
     @property
     def nvml(self) -> Nvml | None:
-        """Opened by startup.prepare; kept where /status reads it."""
-        return self.observed.nvml
+        """Opened by startup.prepare (gpus.manage); /status reads the same holder."""
+        return self.parts.gpus.nvml
 
     # ============================================================ lifecycle
 
