@@ -122,6 +122,9 @@ class _LaunchQuality:
     evidence: dict[str, str] = dataclasses.field(default_factory=dict)
     first_canary_ms: float | None = None
     probes: int = 0  # successful probes whose speed and accept length were read
+    # The canary's speed (tokens/s, SGLang-measured), judged with its probe's (probe_done):
+    # only there is it known whether others decoded meanwhile.
+    canary_speed: tuple[float | None, bool] | None = None
 
 
 class QualityWatch:
@@ -238,8 +241,7 @@ class QualityWatch:
             return None
         if golden.answer.server_measured:
             cur.speed.golden_tps = golden.answer.tokens_per_second
-        if cur.speed.add(got.tokens_per_second, busy=False, server_measured=got.server_measured):
-            self._slow_changed(cur)
+        cur.canary_speed = (got.tokens_per_second, got.server_measured)
         verdict = compare(golden.answer, got)
         base_doc = {
             "at": at,
@@ -271,10 +273,13 @@ class QualityWatch:
 
         The speed sample is skipped when others decoded meanwhile: SGLang's decode counter
         (`sglang:realtime_tokens_total{mode="decode"}`) moved by more than the probe's and the
-        canary's own tokens (`own_tokens`), or requests still run right after it."""
+        canary's own tokens (`own_tokens`), or requests still run right after it. The canary
+        that rode the probe is judged the same way: a canary served beside other requests is
+        slower by design, never a sign of slow decoding."""
         cur = self.cur
         if cur is None or cur.launch != done.launch or not done.result.ok:
             return
+        canary_speed, cur.canary_speed = cur.canary_speed, None
         meta = done.result.meta
         cur.probes += 1
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
@@ -291,6 +296,10 @@ class QualityWatch:
         busy = done.busy or others or bool(running and running > 0)
         tps = decode_speed(meta, done.result.latency_s)
         if cur.speed.add(tps, busy, server_measured="decode_throughput" in meta):
+            self._slow_changed(cur)
+        if canary_speed is not None and cur.speed.add(
+            canary_speed[0], busy, server_measured=canary_speed[1]
+        ):
             self._slow_changed(cur)
         if cur.speculative:
             gauge = None if samples is None else endpoints.mean(samples, SPEC_GAUGE)

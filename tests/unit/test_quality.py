@@ -9,6 +9,7 @@ import json
 import struct
 from pathlib import Path
 
+import httpx
 import pytest
 
 from supervisor import quality as q
@@ -29,8 +30,12 @@ from supervisor.core.machine import (
     TimerFired,
     TimerName,
 )
+from supervisor.daemon.quality_watch import QualityWatch
+from supervisor.metrics import Metrics
 from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
+from supervisor.sglang.argv import LaunchSpec
+from supervisor.sglang.probe import ProbeGate, Progress
 from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result
 
 
@@ -421,3 +426,76 @@ def test_past_a_tie_the_answer_kept_it_is_still_compared() -> None:
     assert q.compare(g, answer([1, 2, 3, 9, 77], [5.0] * 5)).match
     late = q.compare(g, answer([1, 2, 3, 42, 5], [5.0] * 5))
     assert not late.match and late.first_diff == 3
+
+
+# ------------------------------------------------------------------------------ the watch
+
+
+def _canary_body(tps: float) -> bytes:
+    """SGLang's /generate answer to the canary request: 4 tokens, each confident."""
+    out = [[-0.01, t, None] for t in (11, 12, 13, 14)]
+    tops = [[[-0.01, t, None], [-6.0, 99, None]] for t in (11, 12, 13, 14)]
+    meta = {
+        "output_token_logprobs": out,
+        "output_top_logprobs": tops,
+        "completion_tokens": 4,
+        "decode_throughput": tps,
+    }
+    return json.dumps({"text": "a b c d", "meta_info": meta}).encode()
+
+
+class _Server:
+    """A /generate (the canary) and /metrics (the decode counter and running requests) whose
+    speed and load a test sets between probes."""
+
+    def __init__(self) -> None:
+        self.tps = 100.0
+        self.decoded = 0.0
+        self.running = 0
+        self.others_per_canary = 0.0  # decode tokens of other requests beside each canary
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+            self.decoded += 4 + self.others_per_canary
+            return httpx.Response(200, stream=httpx.ByteStream(_canary_body(self.tps)))
+        if request.url.path == "/metrics":
+            text = (
+                f'sglang:realtime_tokens_total{{mode="decode"}} {self.decoded}\n'
+                f"sglang:num_running_reqs {self.running}\n"
+            )
+            return httpx.Response(200, stream=httpx.ByteStream(text.encode()))
+        return httpx.Response(404)
+
+
+async def _watch_rounds(tmp_path: Path, rounds: list[tuple[float, float, int]]) -> list[bool]:
+    """One canary probe per round (canary speed, others' decode tokens, running requests after
+    it), as the daemon runs them; whether slow_decode was held after each."""
+    server = _Server()
+    cfg = dataclasses.replace(CFG, state_dir=str(tmp_path))
+    spec = LaunchSpec("primary", ("python", "-m", "sglang.launch_server"), {}, {})
+    held = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+        watch = QualityWatch(cfg, http, Metrics(), emit=lambda _: None)
+        watch.launched(1, spec)
+        for tps, others, running in rounds:
+            server.tps, server.others_per_canary = tps, others
+            before = Progress(None, 0.0, server.decoded, 0.0, server.decoded)
+            assert await watch.canary(1, ProbeGate()) is None
+            server.running = running
+            # A probe without SGLang's measured speed: only the canary's sample is judged.
+            done = ProbeDone(1, ProbeKind.LIVENESS, ok_result(0))
+            await watch.probe_done(done, before.realtime_decode, own_tokens=4)
+            held.append(q.SLOW_DECODE in watch.degraded())
+    return held
+
+
+async def test_a_canary_slowed_by_other_requests_is_not_slow_decode(tmp_path: Path) -> None:
+    idle = [(100.0, 0.0, 0)] * q.BASELINE_SAMPLES
+    # A third of the speed while other requests decode beside it, or run on after it.
+    loaded = [(30.0, 50.0, 0), (30.0, 0.0, 2)] * q.SLOW_COUNT
+    assert not any(await _watch_rounds(tmp_path / "a", idle + loaded))
+    # The same speeds at idle: slow decoding, reported after SLOW_COUNT samples.
+    alone = [(30.0, 0.0, 0)] * q.SLOW_COUNT
+    assert await _watch_rounds(tmp_path / "b", idle + alone) == [False] * (
+        q.BASELINE_SAMPLES + q.SLOW_COUNT - 1
+    ) + [True]
