@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -290,7 +290,6 @@ class Observer:
         port: int,
         *,
         timeout: float = 60.0,
-        decode: bool = True,
         fresh: bool = True,
         mode: str = "serve",
         window: float = 20.0,
@@ -303,11 +302,8 @@ class Observer:
         argv += ["--decode-timeout", str(decode_timeout)]
         if readyz:
             argv += ["--readyz", readyz]
-        if not decode:
-            argv.append("--no-decode")
         if fresh:
             argv.append("--fresh")
-        self.decode = decode
         self.proc = procs.start(argv, stdout=subprocess.PIPE, text=True)
         self.lines = Lines(self.proc.stdout)
         self.lines.wait(lambda e: e.get("event") == "started", 10.0)
@@ -320,8 +316,8 @@ class Observer:
         return ev
 
     def result(self, timeout: float) -> dict[str, float]:
-        """{"bind": t, "decode": t} (decode absent when not asked for)."""
-        self.event("decode" if self.decode else "bind", timeout=timeout)
+        """{"bind": t, "decode": t}."""
+        self.event("decode", timeout=timeout)
         return {
             e["event"]: float(e["t"])
             for e in self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
@@ -350,47 +346,6 @@ class Observer:
 # ---------------------------------------------------------------------------- small helpers
 
 
-def http_status(
-    url: str, timeout: float = 2.0, method: str = "GET", body: str | None = None
-) -> int | None:
-    """Status code of one request (None: no answer). A fresh connection each time."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
-    try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, u.path or "/", body, headers)
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    except (OSError, ValueError):
-        return None
-    finally:
-        conn.close()
-
-
-def generate(port: int, tokens: int, timeout: float, host: str = "127.0.0.1") -> bool:
-    """One decode of `tokens` tokens; True only if all came back in time."""
-    import http.client
-
-    params = {"max_new_tokens": tokens, "temperature": 0}
-    body = json.dumps({"text": "Say hello in one word", "sampling_params": params})
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        raw = response.read()
-        if response.status != 200:
-            return False
-        return bool(json.loads(raw)["meta_info"]["completion_tokens"] == tokens)
-    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
 def wait_until(
     pred: Callable[[], Any], timeout: float, interval: float = 0.01, what: str = "condition"
 ) -> Any:
@@ -406,38 +361,43 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
-@dataclass
-class CpuSampler:
-    """Samples a process's CPU time in a thread, to integrate it over any window later."""
+class Sampler(threading.Thread):
+    """`read()` every `interval` seconds on its own thread: (`clock()`, value) pairs."""
 
-    pid: int
-    interval: float = 0.01
-    samples: list[tuple[float, float]] = field(default_factory=list)
+    def __init__(
+        self,
+        read: Callable[[], Any],
+        interval: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.read, self.interval, self.clock = read, interval, clock
+        self.samples: list[tuple[float, Any]] = []
+        self.done = threading.Event()
+        self.start()
 
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._proc = psutil.Process(self.pid)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def run(self) -> None:
+        while not self.done.is_set():
+            with contextlib.suppress(Exception):
+                self.samples.append((self.clock(), self.read()))
+            self.done.wait(self.interval)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(psutil.Error):
-                self.samples.append((time.time(), cpu_seconds(self._proc)))
-            self._stop.wait(self.interval)
+    def stop(self) -> None:
+        self.done.set()
+        self.join(2)
+
+    def first(self, after: float, cond: Callable[[Any], bool]) -> float | None:
+        """Seconds from `after` to the first sample from then on that satisfies `cond`."""
+        return next((round(t - after, 3) for t, v in self.samples if t >= after and cond(v)), None)
 
     def between(self, t0: float, t1: float) -> float:
-        """CPU seconds used in [t0, t1] (nearest samples)."""
+        """How much a growing value (CPU seconds) grew over [t0, t1] (nearest samples)."""
         if not self.samples:
             return float("nan")
         a = min(self.samples, key=lambda s: abs(s[0] - t0))
         b = min(self.samples, key=lambda s: abs(s[0] - t1))
         span = b[0] - a[0]
         return (b[1] - a[1]) / span * (t1 - t0) if span > 0 else float("nan")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -449,18 +409,13 @@ class Stat:
     median: float
     lo: float  # minimum
     hi: float  # maximum
-    p90: float
 
     @classmethod
     def of(cls, values: Iterable[float]) -> Stat | None:
         v = sorted(x for x in values if x == x)  # drop NaN
         if not v:
             return None
-        p90 = v[min(len(v) - 1, max(0, round(0.9 * (len(v) - 1))))]
-        return cls(len(v), statistics.median(v), v[0], v[-1], p90)
-
-    def to_dict(self) -> dict[str, float]:
-        return {"n": self.n, "median": self.median, "min": self.lo, "max": self.hi, "p90": self.p90}
+        return cls(len(v), statistics.median(v), v[0], v[-1])
 
 
 def kill_now(procs: Procs, pid: int) -> tuple[float, Callable[[float], float]]:
@@ -651,31 +606,6 @@ def kill_held(held: Iterable[Held]) -> None:
 
     for h in held:
         signal_identity(h.ident, signal.SIGKILL)
-
-
-class Sampler(threading.Thread):
-    """`read()` every `interval` seconds on its own thread: (monotonic time, value) pairs."""
-
-    def __init__(self, read: Callable[[], Any], interval: float = 0.01) -> None:
-        super().__init__(daemon=True)
-        self.read = read
-        self.interval = interval
-        self.samples: list[tuple[float, Any]] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            with contextlib.suppress(Exception):
-                self.samples.append((time.monotonic(), self.read()))
-            self.done.wait(self.interval)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join()
-
-    def first(self, after: float, cond: Callable[[Any], bool]) -> float | None:
-        """Seconds from `after` to the first sample from then on that satisfies `cond`."""
-        return next((round(t - after, 3) for t, v in self.samples if t >= after and cond(v)), None)
 
 
 def write_json(out: str | Path, name: str, doc: Any) -> None:

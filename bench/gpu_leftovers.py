@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
             return used, frozenset(procs), alive
 
         sampler = common.Sampler(read)
-        sampler.start()
         clean = gpu_clean(cfg, env, dry_run=False)
         time.sleep(0.5)  # a little tail of samples after gpu-clean returned
         sampler.stop()

@@ -112,7 +112,6 @@ async def main_async(args: argparse.Namespace) -> int:
             return {s.index: s.memory_used_bytes for s in nvml.snapshot()}
 
         sampler = common.Sampler(read)
-        sampler.start()
         t0 = time.monotonic()
         owner = ProcessOwner(marker, lambda _l, _s, _x: None, lambda _c: None)
         sweep = await gpu.sweep_leftovers(

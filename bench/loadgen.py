@@ -94,16 +94,13 @@ class LoadGenerator:
         stream_every: int = 2,  # every Nth request streams (0: none)
         max_new_tokens: int = 16,
         timeout: float = 30.0,
-        pause: float = 0.0,
     ) -> None:
         self.base = base_url.rstrip("/")
         self.concurrency = concurrency
         self.stream_every = stream_every
         self.max_new_tokens = max_new_tokens
         self.timeout = timeout
-        self.pause = pause
         self.outcomes: list[Outcome] = []
-        self.marks: list[tuple[str, float]] = []
         self._counter = itertools.count(1)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -132,9 +129,8 @@ class LoadGenerator:
         return self.stats()
 
     def mark(self, name: str) -> float:
-        at = time.time()
-        self.marks.append((name, at))
-        return at
+        """The time a phase named `name` begins (for `stats(since=...)`)."""
+        return time.time()
 
     def stats(self, since: float | None = None, until: float | None = None) -> Stats:
         """Requests that *started* in [since, until)."""
@@ -159,8 +155,6 @@ class LoadGenerator:
             n = next(self._counter)
             stream = self.stream_every > 0 and n % self.stream_every == 0
             self.outcomes.append(await self._one(n, stream))
-            if self.pause:
-                await asyncio.sleep(self.pause)
 
     def _body(self, n: int, stream: bool) -> dict[str, Any]:
         return {
@@ -175,6 +169,10 @@ class LoadGenerator:
         status: int | None = None
         chunks = 0
         events: list[bytes] = []
+
+        def outcome(result: str, error: str | None = None) -> Outcome:
+            return Outcome(n, stream, started, time.time(), result, status, chunks, error)
+
         try:
             async with self._client.stream(
                 "POST", self.base + "/generate", json=self._body(n, stream)
@@ -182,27 +180,18 @@ class LoadGenerator:
                 status = r.status_code
                 if status != 200:
                     body = (await r.aread())[:200].decode("utf-8", "replace")
-                    return Outcome(
-                        n, stream, started, time.time(), FAILED, status, 0, f"HTTP {status}: {body}"
-                    )
+                    return outcome(FAILED, f"HTTP {status}: {body}")
                 if not stream:
                     doc = json.loads(await r.aread())
-                    ok = isinstance(doc, dict) and isinstance(doc.get("meta_info"), dict)
-                    return Outcome(
-                        n, False, started, time.time(), PLAIN_OK if ok else FAILED, status, 0,
-                        None if ok else "malformed answer",
-                    )  # fmt: skip
+                    if isinstance(doc, dict) and isinstance(doc.get("meta_info"), dict):
+                        return outcome(PLAIN_OK)
+                    return outcome(FAILED, "malformed answer")
                 async for line in r.aiter_lines():
                     if line.startswith("data:"):
                         chunks += 1
                         events.append(line[5:].encode())
         except (httpx.HTTPError, OSError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            result = CUT if stream and chunks else FAILED
-            return Outcome(n, stream, started, time.time(), result, status, chunks, error)
+            return outcome(CUT if stream and chunks else FAILED, f"{type(exc).__name__}: {exc}")
         if stream_complete(events):
-            return Outcome(n, True, started, time.time(), STREAM_OK, status, chunks)
-        return Outcome(
-            n, True, started, time.time(), CUT if chunks else FAILED, status, chunks,
-            "stream ended without [DONE]",
-        )  # fmt: skip
+            return outcome(STREAM_OK)
+        return outcome(CUT if chunks else FAILED, "stream ended without [DONE]")

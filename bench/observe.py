@@ -1,6 +1,6 @@
 """When can the server serve? A stdlib-only watcher, run as its own process.
 
-    python -m bench.observe --port P [--host H] [--timeout S] [--no-decode] [--tokens N]
+    python -m bench.observe --port P [--timeout S] [--fresh]
     python -m bench.observe --port P --mode broken     # is decode broken once /health is 200?
     python -m bench.observe --port P --mode hang --window W   # user traffic until it hangs
     python -m bench.observe --port P --readyz URL   # also: when URL first answered 200
@@ -9,10 +9,10 @@
 It tries a TCP connect every millisecond. The first accepted connection is `bind` (the port
 is open: SGLang binds it only after loading); with `--fresh` only one that follows a refused
 attempt counts, so a watcher started around a kill never mistakes the dying server for the
-next one. On that connection it sends a /generate for
-`--tokens` tokens at once, and again after every failure, until one comes back with all of
-them: `decode` is the moment that answer arrived. One JSON line per event on stdout, with
-wall-clock times (`time.time()`), so they compare with the daemons' log timestamps.
+next one. On that connection it sends an 8-token /generate at once, and again after every
+failure, until one comes back with all the tokens: `decode` is the moment that answer arrived.
+One JSON line per event on stdout, with wall-clock times (`time.time()`), so they compare with
+the daemons' log timestamps.
 
 It is a separate process so the same watcher runs beside every supervisor, also inside the
 systemd box's network namespace (through nsenter), and it imports nothing heavy: it must be
@@ -34,6 +34,8 @@ import time
 from urllib.parse import urlsplit
 
 POLL_S = 0.001
+HOST = "127.0.0.1"
+TOKENS = 8
 
 
 _done_readyz = threading.Event()
@@ -66,9 +68,8 @@ def _decode(conn: http.client.HTTPConnection, tokens: int) -> tuple[bool, str]:
 def _readyz(url: str, deadline: float) -> None:
     """Poll `url` every 2 ms until it answers 200 (started once the server's port is bound:
     a daemon cannot be ready earlier, and polling it during the load would only load it)."""
-    u = urlsplit(url)
     while time.monotonic() < deadline:
-        if health_status(u.hostname or "127.0.0.1", u.port or 80, 1.0, u.path) == 200:
+        if url_status(url, 1.0) == 200:
             _emit("readyz", t=time.time())
             return
         time.sleep(0.002)
@@ -104,21 +105,13 @@ def kill(pid: int) -> int:
     return 1
 
 
-def watch(
-    host: str,
-    port: int,
-    timeout: float,
-    decode: bool,
-    tokens: int,
-    fresh: bool = False,
-    readyz: str | None = None,
-) -> int:
+def watch(port: int, timeout: float, fresh: bool, readyz: str | None) -> int:
     deadline = time.monotonic() + timeout
     bound = False
     refused = not fresh
     attempts = 0
     while time.monotonic() < deadline:
-        conn = http.client.HTTPConnection(host, port, timeout=max(0.1, deadline - time.monotonic()))
+        conn = http.client.HTTPConnection(HOST, port, timeout=max(0.1, deadline - time.monotonic()))
         try:
             conn.connect()
         except OSError:
@@ -136,12 +129,9 @@ def watch(
             _emit("bind", t=now)
             if readyz:
                 threading.Thread(target=_readyz, args=(readyz, deadline), daemon=True).start()
-            if not decode:
-                conn.close()
-                return 0
         attempts += 1
         try:
-            ok, what = _decode(conn, tokens)
+            ok, what = _decode(conn, TOKENS)
         except (OSError, http.client.HTTPException) as exc:
             ok, what = False, f"{type(exc).__name__}: {exc}"
         finally:
@@ -172,16 +162,24 @@ def health_status(host: str, port: int, timeout: float = 1.0, path: str = "/heal
         conn.close()
 
 
-def _wait_healthy(host: str, port: int, deadline: float) -> float | None:
+def url_status(url: str, timeout: float) -> int | None:
+    u = urlsplit(url)
+    return health_status(u.hostname or HOST, u.port or 80, timeout, u.path or "/")
+
+
+def _healthy(port: int, timeout: float) -> float | None:
+    """When /health first answered 200 (None, and a `timeout` event: not within `timeout`)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if health_status(host, port) == 200:
+        if health_status(HOST, port) == 200:
             return time.time()
         time.sleep(0.05)
+    _emit("timeout", t=time.time())
     return None
 
 
-def _one_decode(host: str, port: int, tokens: int, timeout: float) -> tuple[bool, str]:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+def _one_decode(port: int, tokens: int, timeout: float) -> tuple[bool, str]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         return _decode(conn, tokens)
     except (OSError, http.client.HTTPException) as exc:
@@ -190,33 +188,29 @@ def _one_decode(host: str, port: int, tokens: int, timeout: float) -> tuple[bool
         conn.close()
 
 
-def broken(host: str, port: int, timeout: float, tokens: int, decode_timeout: float) -> int:
-    """Once /health answers 200: does a decode of `tokens` tokens come back in time?"""
-    healthy = _wait_healthy(host, port, time.monotonic() + timeout)
+def broken(port: int, timeout: float, decode_timeout: float) -> int:
+    """Once /health answers 200: does an 8-token decode come back in time?"""
+    healthy = _healthy(port, timeout)
     if healthy is None:
-        _emit("timeout", t=time.time())
         return 1
     sent = time.time()
-    ok, what = _one_decode(host, port, tokens, decode_timeout)
+    ok, what = _one_decode(port, TOKENS, decode_timeout)
     _emit("verdict", t=time.time(), healthy=healthy, sent=sent, decode_ok=ok, detail=what)
     return 0
 
 
-def hang(host: str, port: int, timeout: float, window: float) -> int:
+def hang(port: int, timeout: float, window: float) -> int:
     """User traffic (20 one-token decodes a second) from the first /health 200 until a request
     gets no answer within 0.5 s: `onset` is when that request was sent. Then /health once a
     second for `window` seconds: the baselines only ever look there."""
-    healthy = _wait_healthy(host, port, time.monotonic() + timeout)
-    if healthy is None:
-        _emit("timeout", t=time.time())
+    if _healthy(port, timeout) is None:
         return 1
     deadline = time.monotonic() + timeout
     answered = 0
     onset = None
     while time.monotonic() < deadline:
         sent = time.time()
-        ok, _ = _one_decode(host, port, 1, 0.5)
-        if not ok:
+        if not _one_decode(port, 1, 0.5)[0]:
             onset = sent
             break
         answered += 1
@@ -228,20 +222,17 @@ def hang(host: str, port: int, timeout: float, window: float) -> int:
     end = time.monotonic() + window
     statuses = []
     while time.monotonic() < end:
-        statuses.append(health_status(host, port))
+        statuses.append(health_status(HOST, port))
         time.sleep(1.0)
-    ok, _ = _one_decode(host, port, 1, 0.5)
+    ok, _ = _one_decode(port, 1, 0.5)
     _emit("window", t=time.time(), health=statuses, decode_ok_at_end=ok)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.observe", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--tokens", type=int, default=8)
-    p.add_argument("--no-decode", action="store_true", help="report the bind only")
     p.add_argument("--fresh", action="store_true", help="count a bind only after a refusal")
     p.add_argument("--mode", choices=("serve", "broken", "hang", "kill"), default="serve")
     p.add_argument("--window", type=float, default=20.0, help="hang: seconds to keep watching")
@@ -254,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         return kill(a.pid)
     _emit("started", t=time.time())
     if a.mode == "broken":
-        return broken(a.host, a.port, a.timeout, a.tokens, a.decode_timeout)
+        return broken(a.port, a.timeout, a.decode_timeout)
     if a.mode == "hang":
-        return hang(a.host, a.port, a.timeout, a.window)
-    return watch(a.host, a.port, a.timeout, not a.no_decode, a.tokens, a.fresh, a.readyz)
+        return hang(a.port, a.timeout, a.window)
+    return watch(a.port, a.timeout, a.fresh, a.readyz)
 
 
 if __name__ == "__main__":

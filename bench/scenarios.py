@@ -32,20 +32,20 @@ from bench.common import (
     PYTHON,
     REPO_ROOT,
     BenchError,
-    CpuSampler,
     Lines,
     NotifySocket,
     Observer,
     Procs,
+    Sampler,
     at,
     cpu_seconds,
-    http_status,
     is_ready_msg,
     kill_now,
     state_is,
     wait_until,
 )
 from bench.kimi import KimiServe, bench_config, launch_spec
+from bench.observe import url_status
 from bench.systemd_box import SystemdBox
 
 KIMI, SUPERVISORD, SYSTEMD, POLLER = "kimi-serve", "supervisord", "systemd", "health-poller"
@@ -125,14 +125,18 @@ def _cfg(ctx: Ctx, work: Path, **kw: Any) -> dict[str, Any]:
     return bench_config(work, load_s=ctx.s.load_s, warmup_s=ctx.s.warmup_s, **kw)
 
 
+def _standin(ctx: Ctx, work: Path, env: dict[str, str] | None) -> tuple[Any, int]:
+    """The stand-in of `work` as kimi-serve would launch it (argv, env), and its port."""
+    cfg = _cfg(ctx, work, env=env)
+    return launch_spec(cfg, work), int(cfg["sglang"]["port"])
+
+
 def _supervisord(
     ctx: Ctx, work: Path, env: dict[str, str] | None = None
 ) -> tuple[sv_mod.Supervisord, int]:
     """A supervisord (not started) over the stand-in of `work`, and the stand-in's port."""
-    cfg = _cfg(ctx, work, env=env)
-    spec = launch_spec(cfg, work)
-    sv = sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env))
-    return sv, int(cfg["sglang"]["port"])
+    spec, port = _standin(ctx, work, env)
+    return sv_mod.Supervisord(ctx.procs, work / "sv", spec.argv, dict(spec.env)), port
 
 
 def _unit(ctx: Ctx, name: str, unit: str, env: dict[str, str] | None = None) -> int:
@@ -140,11 +144,9 @@ def _unit(ctx: Ctx, name: str, unit: str, env: dict[str, str] | None = None) -> 
     assert ctx.box is not None
     # Only the box's own directory is visible inside it (it masks /tmp): the stand-in's launch
     # counter and model path must live there.
-    work = ctx.dir(name, ctx.box.box.workdir)
-    cfg = _cfg(ctx, work, env=env)
-    spec = launch_spec(cfg, work)
+    spec, port = _standin(ctx, ctx.dir(name, ctx.box.box.workdir), env)
     ctx.box.install(unit, spec.argv, dict(spec.env), REPO_ROOT)
-    return int(cfg["sglang"]["port"])
+    return port
 
 
 def _readiness(when: str, r: dict[str, float], ready: float, **extra: Any) -> dict[str, Any]:
@@ -215,13 +217,9 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                 raise BenchError("kimi-serve sent no STATUS=restarting / READY=1 after a kill")
             assert ks.lines is not None
             evs = ks.lines.events[start:]
-            restarting = _first(evs, state_is("restarting"))
-            gone = _first(evs, _named("sglang restart"))
-            cleaning = _first(evs, state_is("cleaning"))
-            launching = _first(evs, state_is("launching"))
-            loading = _first(evs, state_is("loading"))
-            warming = _first(evs, state_is("warming"))
-            ready_state = _first(evs, state_is("ready"))
+            st = {k: _first(evs, state_is(k)) for k in ("restarting", "cleaning", "launching")}
+            st |= {k: _first(evs, state_is(k)) for k in ("loading", "warming", "ready")}
+            restarting = st["restarting"]
             out["death"].append(
                 {
                     "kill": t_kill,
@@ -232,8 +230,9 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
                 }
             )
             # The kill, each step of the recovery in order, READY=1: a step is the gap before it.
-            marks = (t_kill, restarting, gone, cleaning, launching, loading, r["bind"], warming)
-            marks += (ready_state, ready[0])
+            gone = _first(evs, _named("sglang restart"))
+            marks = (t_kill, restarting, gone, st["cleaning"], st["launching"], st["loading"])
+            marks += (r["bind"], st["warming"], st["ready"], ready[0])
             gaps = [b - a for a, b in itertools.pairwise(marks)]
             steps = dict(zip(RECOVERY_STEPS, gaps, strict=True))
             total = {"total": ready[0] - t_kill, "serving": r["decode"] - t_kill}
@@ -250,92 +249,98 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+Recovered = tuple[float, float, float, dict[str, float], str, float]
+
+
+def _kill_cycles(
+    ctx: Ctx,
+    who: str,
+    n: int,
+    port: int,
+    r: dict[str, float],
+    out: dict[str, Any],
+    victim: Callable[[], tuple[int, Any]],
+    recovered: Callable[[float, Any, Observer], Recovered],
+    prefix: Sequence[str] = (),
+) -> None:
+    """`n` kills of a baseline's server, each to readiness reported again: `victim()` gives the
+    pid and where to look from, `recovered(kill time, that, watcher)` the times noticed,
+    respawned and ready, the watcher's result and the baseline's own ready step."""
+    for i in range(n):
+        _settle(ctx, r["decode"])
+        pid, since = victim()
+        t_kill, death = kill_now(ctx.procs, pid)
+        obs = Observer(ctx.procs, port, prefix=prefix)
+        noticed, spawned, ready, r, ready_key, ready_after = recovered(t_kill, since, obs)
+        out["death"].append({"kill": t_kill, "dead": death(10), "noticed": noticed})
+        out["recovery"].append(
+            {
+                "detect": noticed - t_kill,
+                "respawn": spawned - noticed,
+                "load": r["bind"] - spawned,
+                ready_key: ready_after,
+                "total": ready - t_kill,
+                "serving": r["decode"] - t_kill,
+            }
+        )
+        out["readiness"].append(_readiness("restart", r, ready))
+        ctx.say(
+            f"  {who} kill {i + 1}/{n}: noticed {(noticed - t_kill) * 1000:.1f} ms, "
+            f"ready again {ready - t_kill:.2f} s"
+        )
+
+
 def supervisord_cycles(ctx: Ctx) -> dict[str, Any]:
-    s = ctx.s
     sv, port = _supervisord(ctx, ctx.dir("supervisord-cycles"))
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
+
+    def victim() -> tuple[int, int]:
+        return sv.child_pid(), len(sv.log or [])
+
+    def recovered(_t_kill: float, start: int, obs: Observer) -> Recovered:
+        _, t_exit, _ = sv.wait(sv_mod.EXITED, 10, start)
+        _, t_spawn, _ = sv.wait(sv_mod.SPAWNED, 10, start)
+        _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
+        return t_exit, t_spawn, t_run, obs.served(30), "startsecs", t_run - t_spawn
+
     try:
         obs = Observer(ctx.procs, port, fresh=False)
         sv.start()
         _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
         r = obs.served(60)
         out["readiness"].append(_readiness("start", r, t_run))
-        for i in range(s.cycles):
-            _settle(ctx, r["decode"])
-            pid = sv.child_pid()
-            start = len(sv.log or [])
-            t_kill, death = kill_now(ctx.procs, pid)
-            obs = Observer(ctx.procs, port)
-            _, t_exit, _ = sv.wait(sv_mod.EXITED, 10, start)
-            _, t_spawn, _ = sv.wait(sv_mod.SPAWNED, 10, start)
-            _, t_run, _ = sv.wait(sv_mod.RUNNING, 30, start)
-            r = obs.served(30)
-            _cycle(out, t_kill, death(10), t_exit, t_spawn, t_run, r, "startsecs", t_run - t_spawn)
-            ctx.say(
-                f"  supervisord kill {i + 1}/{s.cycles}: noticed "
-                f"{(t_exit - t_kill) * 1000:.1f} ms, RUNNING again {t_run - t_kill:.2f} s"
-            )
+        _kill_cycles(ctx, "supervisord", ctx.s.cycles, port, r, out, victim, recovered)
         out["rss_mib"] = psutil.Process(sv.pid).memory_info().rss / 2**20
     finally:
         sv.stop()
     return out
 
 
-def _cycle(
-    out: dict[str, Any],
-    t_kill: float,
-    dead: float,
-    noticed: float,
-    spawned: float,
-    ready: float,
-    r: dict[str, float],
-    ready_key: str,
-    ready_after: float,
-) -> None:
-    """One kill of a baseline's server, to readiness reported again: its samples."""
-    out["death"].append({"kill": t_kill, "dead": dead, "noticed": noticed})
-    out["recovery"].append(
-        {
-            "detect": noticed - t_kill,
-            "respawn": spawned - noticed,
-            "load": r["bind"] - spawned,
-            ready_key: ready_after,
-            "total": ready - t_kill,
-            "serving": r["decode"] - t_kill,
-        }
-    )
-    out["readiness"].append(_readiness("restart", r, ready))
-
-
 def systemd_cycles(ctx: Ctx) -> dict[str, Any]:
-    s = ctx.s
     box = ctx.box
     assert box is not None
     unit = "standin-cycles.service"
     port = _unit(ctx, "systemd-cycles", unit)
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
+
+    def victim() -> tuple[int, float]:
+        return box.main_host_pid(unit), box.times(unit)["restarts"] or 0.0
+
+    def recovered(t_kill: float, restarts: float, obs: Observer) -> Recovered:
+        r = obs.served(30)
+        t = box.wait_restarted(unit, restarts, t_kill, 30)
+        exited, started, active = t["noticed"], t["started"], t["active"]
+        assert exited is not None and started is not None and active is not None
+        return exited, started, active, r, "ready_after_spawn", active - started
+
     try:
         obs = Observer(ctx.procs, port, fresh=False, prefix=box.prefix)
         box.start(unit)
         r = obs.served(60)
-        t = box.times(unit)
-        out["readiness"].append(_readiness("start", r, t["active"]))
-        for i in range(s.cycles):
-            _settle(ctx, r["decode"])
-            before = box.times(unit)
-            pid = box.main_host_pid(unit)
-            t_kill, death = kill_now(ctx.procs, pid)
-            obs = Observer(ctx.procs, port, prefix=box.prefix)
-            r = obs.served(30)
-            t = box.wait_restarted(unit, before["restarts"] or 0.0, t_kill, 30)
-            exited, started, active = t["noticed"], t["started"], t["active"]
-            assert exited is not None and started is not None and active is not None
-            ready_after = ("ready_after_spawn", active - started)
-            _cycle(out, t_kill, death(10), exited, started, active, r, *ready_after)
-            ctx.say(
-                f"  systemd kill {i + 1}/{s.cycles}: noticed "
-                f"{(exited - t_kill) * 1000:.1f} ms, active again {active - t_kill:.2f} s"
-            )
+        active = box.times(unit)["active"]
+        assert active is not None
+        out["readiness"].append(_readiness("start", r, active))
+        _kill_cycles(ctx, "systemd", ctx.s.cycles, port, r, out, victim, recovered, box.prefix)
     finally:
         with contextlib.suppress(Exception):
             box.stop_unit(unit)
@@ -348,13 +353,10 @@ class PollerRun:
     def __init__(
         self, ctx: Ctx, work: Path, env: dict[str, str] | None = None, seed: int = 0
     ) -> None:
-        s = ctx.s
-        cfg = _cfg(ctx, work, env=env)
-        spec = launch_spec(cfg, work)
-        self.port = int(cfg["sglang"]["port"])
-        poller = [PYTHON, "-m", "bench.poller", "--port", str(self.port)]
+        spec, self.port = _standin(ctx, work, env)
+        poller = [PYTHON, "-m", "bench.poller", "--port", str(self.port), "--seed", str(seed)]
         self.proc = ctx.procs.start(
-            [*poller, "--period", str(s.poller_period), "--seed", str(seed), "--", *spec.argv],
+            [*poller, "--period", str(ctx.s.poller_period), "--", *spec.argv],
             env=dict(spec.env),
             stdout=subprocess.PIPE,
             text=True,
@@ -381,31 +383,28 @@ class PollerRun:
 
 def poller_cycles(ctx: Ctx) -> dict[str, Any]:
     s = ctx.s
-    work = ctx.dir("poller-cycles")
     out: dict[str, Any] = {"readiness": [], "death": [], "recovery": []}
     wait_s = s.load_s + s.poller_period + 30
-    pr = PollerRun(ctx, work, seed=1)
+    pr = PollerRun(ctx, ctx.dir("poller-cycles"), seed=1)
+
+    def victim() -> tuple[int, tuple[int, int]]:
+        pid, launch = pr.child()
+        return pid, (launch, len(pr.lines))
+
+    def recovered(_t_kill: float, since: tuple[int, int], obs: Observer) -> Recovered:
+        launch, start = since
+        _, died = pr.wait("died", 30, start)
+        _, spawned = pr.wait("spawned", 30, start)
+        _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
+        r = obs.served(wait_s)
+        return died["t"], spawned["t"], ready["t"], r, "ready_after_bind", ready["t"] - r["bind"]
+
     try:
         obs = Observer(ctx.procs, pr.port, fresh=False)
         _, ev = pr.wait("ready", wait_s)
         r = obs.served(wait_s)
         out["readiness"].append(_readiness("start", r, ev["t"]))
-        for i in range(s.poller_cycles):
-            _settle(ctx, r["decode"])
-            pid, launch = pr.child()
-            start = len(pr.lines)
-            t_kill, death = kill_now(ctx.procs, pid)
-            obs = Observer(ctx.procs, pr.port)
-            _, died = pr.wait("died", 30, start)
-            _, spawned = pr.wait("spawned", 30, start)
-            _, ready = pr.wait("ready", wait_s, start, launch=launch + 1)
-            r = obs.served(wait_s)
-            ready_after = ("ready_after_bind", ready["t"] - r["bind"])
-            _cycle(out, t_kill, death(10), died["t"], spawned["t"], ready["t"], r, *ready_after)
-            ctx.say(
-                f"  poller kill {i + 1}/{s.poller_cycles}: noticed "
-                f"{died['t'] - t_kill:.2f} s, ready again {ready['t'] - t_kill:.2f} s"
-            )
+        _kill_cycles(ctx, "poller", s.poller_cycles, pr.port, r, out, victim, recovered)
     finally:
         pr.stop()
     return out
@@ -425,7 +424,8 @@ def _flood_env(ctx: Ctx, result: Path) -> dict[str, str]:
 
 def _flood_steps_cpu(ctx: Ctx, result: Path, pid: int) -> list[dict[str, Any]]:
     """The writer's steps, each with the supervisor's CPU share from its start to drained."""
-    cpu = CpuSampler(pid)
+    proc = psutil.Process(pid)
+    cpu = Sampler(lambda: cpu_seconds(proc), clock=time.time)
     steps = _flood_steps(result, _plan_seconds(ctx))
     cpu.stop()
     for step in steps:
@@ -560,7 +560,7 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
     def poll() -> None:
         nonlocal readyz_200, polls
         while not stop.wait(0.05):
-            status = http_status(ks.admin + "/readyz", 1.0)
+            status = url_status(ks.admin + "/readyz", 1.0)
             if status is not None:
                 polls += 1
                 readyz_200 += status == 200
