@@ -48,9 +48,14 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KIMI_SERVE_CONFIG"):
         env.pop(name, None)
     env[MARKER] = RUN_ID
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = repo_path(env)
     env.update(extra or {})
     return env
+
+
+def repo_path(env: Mapping[str, str]) -> str:
+    """PYTHONPATH: the repository first, then whatever `env` had (a GPU host's carried wheels)."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
 
 
 class Procs:
@@ -212,44 +217,54 @@ def is_ready_msg(msg: str) -> bool:
 # ---------------------------------------------------------------------------- log following
 
 
-class Lines:
-    """Follows a process's stdout in a thread. JSON lines become events (dicts, with the
-    arrival time under `_arrived`); `skip` drops lines cheaply before parsing."""
+def json_event(line: str) -> dict[str, Any] | None:
+    """A JSON log line as an event, with the time it arrived under `_arrived`."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(doc, dict):
+        doc["_arrived"] = time.time()
+        return doc
+    return None
 
-    def __init__(self, stream: Any, skip: Callable[[str], bool] | None = None) -> None:
-        self.events: list[dict[str, Any]] = []
+
+class Lines:
+    """Follows lines (a process's stdout) in a thread: `parse` turns one into an event (None:
+    not one; JSON lines by default), `skip` drops lines cheaply before parsing."""
+
+    def __init__(
+        self,
+        stream: Iterable[str],
+        skip: Callable[[str], bool] | None = None,
+        parse: Callable[[str], Any] = json_event,
+    ) -> None:
+        self.events: list[Any] = []
         self.raw_tail: list[str] = []
         self.skipped = 0
-        self._skip = skip
+        self._skip, self._parse = skip, parse
         self._cond = threading.Condition()
         self._eof = False
         self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._thread.start()
 
-    def _read(self, stream: Any) -> None:
+    def _read(self, stream: Iterable[str]) -> None:
         for line in stream:
             if self._skip is not None and self._skip(line):
                 self.skipped += 1
                 continue
-            now = time.time()
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                doc = None
+            doc = self._parse(line)
             with self._cond:
                 self.raw_tail.append(line)
                 del self.raw_tail[:-40]
-                if isinstance(doc, dict):
-                    doc["_arrived"] = now
+                if doc is not None:
                     self.events.append(doc)
                 self._cond.notify_all()
         with self._cond:
             self._eof = True
             self._cond.notify_all()
 
-    def wait(
-        self, pred: Callable[[dict[str, Any]], bool], timeout: float, start: int = 0
-    ) -> tuple[int, dict[str, Any]]:
+    def wait(self, pred: Callable[[Any], bool], timeout: float, start: int = 0) -> tuple[int, Any]:
         """(index, event) of the first event from index `start` on that matches."""
         deadline = time.monotonic() + timeout
         with self._cond:

@@ -72,6 +72,9 @@ def reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
+Job = tuple[str, Callable[[], Any], Callable[[Any], None]]  # name, run, store the result
+
+
 class Runner:
     def __init__(self, ctx: Ctx, results: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -92,21 +95,22 @@ class Runner:
             store(value)
             self.results["durations"][name] = round(time.monotonic() - t0, 1)
 
-    def put(self, approach: str, key: str) -> Callable[[Any], None]:
+    def job(self, approach: str, key: str, fn: Callable[[Ctx], Any]) -> Job:
+        """`fn(ctx)` stored as results[approach][key]; for "faults" its false_ready and hang."""
+
         def store(value: Any) -> None:
-            self.results.setdefault(approach, {})[key] = value
+            got = (
+                {k: value[k] for k in ("false_ready", "hang")} if key == "faults" else {key: value}
+            )
+            self.results.setdefault(approach, {}).update(got)
 
-        return store
+        return f"{approach}/{key}", lambda: fn(self.ctx), store
 
-    def job(
-        self, approach: str, key: str, fn: Callable[[Ctx], Any]
-    ) -> tuple[str, Callable[[], Any], Callable[[Any], None]]:
-        """`fn(ctx)` stored as results[approach][key]."""
-        return f"{approach}/{key}", lambda: fn(self.ctx), self.put(approach, key)
+    def whole(self, name: str, fn: Callable[[Ctx, bool], Any], with_sv: bool) -> None:
+        """`fn(ctx, with_sv)` stored as results[name]."""
+        self.guard(name, lambda: fn(self.ctx, with_sv), lambda v: self.results.update({name: v}))
 
-    def lane(
-        self, name: str, jobs: list[tuple[str, Callable[[], Any], Callable[[Any], None]]]
-    ) -> threading.Thread:
+    def lane(self, name: str, jobs: list[Job]) -> threading.Thread:
         def run() -> None:
             for job in jobs:
                 self.guard(*job)
@@ -151,58 +155,34 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
             results["not_measured"][SYSTEMD] = f"systemd box unavailable: {exc}"
     try:
         say("phase A: readiness, death detection and recovery, one approach at a time")
-        if KIMI in only:
-            r.guard(*r.job(KIMI, "cycles", scenarios.kimi_cycles))
+        r.guard(*r.job(KIMI, "cycles", scenarios.kimi_cycles))
         if want_sv:
             r.guard(*r.job(SUPERVISORD, "cycles", scenarios.supervisord_cycles))
         if ctx.box is not None:
             r.guard(*r.job(SYSTEMD, "cycles", scenarios.systemd_cycles))
-        if KIMI in only:
-            say("phase A: log pump")
-            r.guard(
-                "log_pump",
-                lambda: scenarios.log_pump(ctx, want_sv),
-                lambda v: results.__setitem__("log_pump", v),
-            )
+        say("phase A: log pump")
+        r.whole("log_pump", scenarios.log_pump, want_sv)
 
         say(
             f"phase B: footprint for {settings.footprint_s:.0f} s; beside it hang, false "
             "ready and the poller"
         )
-        lanes = []
-        lane1: list[Any] = []
-        if KIMI in only:
-            lane1 += [
-                r.job(KIMI, "hang", scenarios.kimi_hang),
-                r.job(KIMI, "false_ready", scenarios.kimi_false_ready),
-            ]
+        # kimi-serve is always measured (compare() insists on it).
+        lane1 = [r.job(KIMI, "hang", scenarios.kimi_hang)]
+        lane1.append(r.job(KIMI, "false_ready", scenarios.kimi_false_ready))
         if POLLER in only:
             lane1.append(r.job(POLLER, "cycles", scenarios.poller_cycles))
-        lanes.append(r.lane("lane1", lane1))
+        lanes = [r.lane("lane1", lane1)]
 
-        def faults(approach: str, fn: Callable[[Ctx], Any]) -> Any:
-            """`fn(ctx)`'s false_ready and hang, stored under `approach`."""
-
-            def store(value: Any) -> None:
-                results.setdefault(approach, {})["false_ready"] = value["false_ready"]
-                results[approach]["hang"] = value["hang"]
-
-            return f"{approach}/faults", lambda: fn(ctx), store
-
-        lane2: list[Any] = []
+        lane2: list[Job] = []
         if want_sv:
-            lane2.append(faults(SUPERVISORD, scenarios.supervisord_faults))
+            lane2.append(r.job(SUPERVISORD, "faults", scenarios.supervisord_faults))
         if ctx.box is not None:
-            lane2.append(faults(SYSTEMD, scenarios.systemd_faults))
+            lane2.append(r.job(SYSTEMD, "faults", scenarios.systemd_faults))
         lanes.append(r.lane("lane2", lane2))
         if POLLER in only:
-            lanes.append(r.lane("lane3", [faults(POLLER, scenarios.poller_faults)]))
-        if KIMI in only:
-            r.guard(
-                "footprint",
-                lambda: scenarios.footprint(ctx, want_sv),
-                lambda v: results.__setitem__("footprint", v),
-            )
+            lanes.append(r.lane("lane3", [r.job(POLLER, "faults", scenarios.poller_faults)]))
+        r.whole("footprint", scenarios.footprint, want_sv)
         for lane in lanes:
             lane.join()
     finally:

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import at, parser, state_is
+from bench.common import REPO_ROOT, at, parser, state_is
 from bench.real_sglang import config, scheduler_pid, sglang_env, start
 
-REPO = Path(__file__).resolve().parents[1]
 BACKOFF_S = 5.0  # restart.backoff_initial's default
 
 
@@ -46,7 +45,7 @@ def large_model(python: str, tiny: str, where: Path) -> Path:
     if not (model / "SHA256SUMS").exists():
         where.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [python, str(REPO / "tools" / "make-large-model"), tiny, str(model)],
+            [python, str(REPO_ROOT / "tools" / "make-large-model"), tiny, str(model)],
             check=True,
             timeout=1800,
         )

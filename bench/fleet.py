@@ -47,7 +47,7 @@ import yaml
 from bench.common import daemon_env, parser
 from bench.loadgen import LoadGenerator
 from testkit import DaemonProcess
-from testkit.fleet import ListWatch, replica_config, user_arrivals
+from testkit.fleet import ListWatch, replica_config, user_arrivals, worker_url
 from testkit.router import RouterProcess, free_port
 from testkit.standin import Standin
 
@@ -239,10 +239,6 @@ def _daemon(tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> DaemonP
     return DaemonProcess.start(path, cfg, daemon_env())
 
 
-def _url(d: DaemonProcess) -> str:
-    return f"http://127.0.0.1:{d.cfg['sglang']['port']}"
-
-
 def _until(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
     """Until `pred` holds for the daemon's /status."""
     deadline = time.monotonic() + timeout
@@ -349,7 +345,7 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                 await asyncio.sleep(s.after_s)
             finally:
                 stats = await load.stop()
-        url = _url(b)
+        url = worker_url(b.cfg)
         if hang:
             # The hang begins with the decode after HANG_AFTER (probes count); it ends when
             # the router stops listing the replica.

@@ -55,13 +55,7 @@ def gpu_clean(config: Path, env: dict[str, str], dry_run: bool) -> dict[str, Any
     started = time.monotonic()
     p = subprocess.run(
         argv + (["--dry-run"] if dry_run else []),
-        # The repository first, then whatever the caller's path had (a GPU host's carried wheels).
-        env={
-            **env,
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(common.REPO_ROOT), env.get("PYTHONPATH")) if p
-            ),
-        },
+        env={**env, "PYTHONPATH": common.repo_path(env)},
         cwd=common.REPO_ROOT,
         capture_output=True,
         text=True,

@@ -10,7 +10,6 @@ scenario asks otherwise.
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +79,7 @@ def launch_spec(cfg: dict[str, Any], work: Path) -> command.LaunchSpec:
 
 
 def _sglang_line(line: str) -> bool:
-    # SGLang's forwarded lines are most of the daemon's output under load; they are counted,
-    # not parsed.
+    """SGLang's forwarded lines, most of the daemon's output under load: counted, not parsed."""
     return '"source": "sglang"' in line
 
 
@@ -101,7 +99,6 @@ class KimiServe:
         self.env = dict(env or {})
         self.proc: subprocess.Popen[str] | None = None
         self.lines: Lines | None = None
-        self.started_at = 0.0
 
     @property
     def admin(self) -> str:
@@ -121,7 +118,6 @@ class KimiServe:
         env = dict(self.env)
         if self.notify is not None:
             env["NOTIFY_SOCKET"] = str(self.notify.path)
-        self.started_at = time.time()
         self.proc = self.procs.start(
             [BIN, "run", "--config", path],
             env=env,

@@ -29,19 +29,17 @@ import httpx
 import psutil
 import yaml
 
-from bench.common import at, daemon_env, parser, state_is
+from bench.common import REPO_ROOT, at, daemon_env, parser, state_is
 from supervisor.sglang.logscan import READY_LINE
 from testkit import DaemonProcess, base_config, free_port
 from testkit.sglang_cpu import CPU_ARGS
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def sglang_env() -> tuple[str, str]:
     """(interpreter, tiny model) from tools/sglang-env (which builds them if needed)."""
     out = []
     for flag in ([], ["--model"]):
-        argv = [str(REPO / "tools" / "sglang-env"), *flag]
+        argv = [str(REPO_ROOT / "tools" / "sglang-env"), *flag]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=True)
         out.append(done.stdout.strip().splitlines()[-1])
     return out[0], out[1]
@@ -61,7 +59,7 @@ def config(work: Path, python: str, model: str, standin: bool = False) -> dict[s
             "env": {
                 "SGLANG_USE_CPU_ENGINE": "1",
                 "CUDA_VISIBLE_DEVICES": "",
-                "PYTHONPATH": str(REPO / "tools" / "sglang-env.d"),
+                "PYTHONPATH": str(REPO_ROOT / "tools" / "sglang-env.d"),
                 "SPT_NOENV": "1",
                 "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION": "1",
             },

@@ -129,12 +129,8 @@ def false_ready(results: dict[str, Any]) -> tuple[Table, dict[str, tuple[int, in
         "Fault seed-incident: /health answers 200, the first multi-token decode kills the "
         "scheduler (the incident this project exists for). A trial is one broken launch."
     ]
-    return (
-        "2. False ready (seed-incident)",
-        ["approach", "broken launches", "reported ready", "how"],
-        rows,
-        notes,
-    ), counts
+    header = ["approach", "broken launches", "reported ready", "how"]
+    return ("2. False ready (seed-incident)", header, rows, notes), counts
 
 
 def death(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
@@ -165,12 +161,8 @@ def death(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         "(see bench/scenarios.py). 'exited → noticed' is each supervisor's own share."
     ]
     header = ["approach", "n", "kill → noticed (median)", "min … max", "exited → noticed"]
-    return (
-        "3. Death detection (ms)",
-        [*header, "kill → exited", "vs kimi-serve"],
-        rows,
-        notes,
-    ), stats
+    header += ["kill → exited", "vs kimi-serve"]
+    return ("3. Death detection (ms)", header, rows, notes), stats
 
 
 def hang(results: dict[str, Any]) -> Table:
@@ -205,12 +197,8 @@ def hang(results: dict[str, Any]) -> Table:
         "timeout + (strikes - 1) x interval. With the production liveness (15 s, 20 s, 3) that "
         "is 90-105 s; the bench uses 1 s / 1 s / 3 to measure the mechanism in seconds.",
     ]
-    return (
-        "4. Hang detection",
-        ["approach", "trials", "restarted", "hang → restart decided", "how"],
-        rows,
-        notes,
-    )
+    header = ["approach", "trials", "restarted", "hang → restart decided", "how"]
+    return ("4. Hang detection", header, rows, notes)
 
 
 def _recovery_parts(a: str, x: dict[str, float]) -> dict[str, float]:
@@ -290,17 +278,9 @@ def recovery(results: dict[str, Any]) -> tuple[list[Table], dict[str, Any]]:
             "notify": "state ready → READY=1 datagram queued",
             "total": "kill → READY=1",
         }
-        krows = []
-        for key, text in what.items():
-            krows.append([key, *_stat_ms(Stat.of(x[key] * 1000 for x in r)), text])
-        tables.append(
-            (
-                "5b. kimi-serve recovery, step by step (ms)",
-                ["step", "median", "min … max", "what"],
-                krows,
-                [],
-            )
-        )
+        krows = [[k, *_stat_ms(Stat.of(x[k] * 1000 for x in r)), t] for k, t in what.items()]
+        header = ["step", "median", "min … max", "what"]
+        tables.append(("5b. kimi-serve recovery, step by step (ms)", header, krows, []))
     return tables, medians
 
 
@@ -405,12 +385,8 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
         "The WATCHDOG=1 count is what arrived on the bench's notify socket (the unit file "
         "expects one every 15 s)."
     ]
-    return (
-        "7. Footprint at steady state",
-        ["approach", "RSS MiB median", "CPU (one core)", "window s", "activity"],
-        rows,
-        notes,
-    ), out
+    header = ["approach", "RSS MiB median", "CPU (one core)", "window s", "activity"]
+    return ("7. Footprint at steady state", header, rows, notes), out
 
 
 def goals(

@@ -669,7 +669,7 @@ def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
             assert sv.log is not None
             exited_before = any(
                 t <= verdict["t"]
-                for t, text in sv.log.lines
+                for t, text in sv.log.events
                 if sv_mod.PROGRAM in text and "exited:" in text
             )
             false_ready.append(_fr_trial(t_run, verdict, not exited_before))
@@ -683,7 +683,7 @@ def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
         sv.wait(sv_mod.RUNNING, 60)
         onset, window = _watch_hang(ctx, port)
         assert sv.log is not None
-        restarted = any(t > onset for t, text in sv.log.lines if "exited:" in text)
+        restarted = any(t > onset for t, text in sv.log.events if "exited:" in text)
     finally:
         sv.stop()
     hang = _hang_trial(ctx, "supervisord", onset, window, restarted, "restarted")

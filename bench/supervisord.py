@@ -17,10 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from bench.common import REPO_ROOT, BenchError, Procs
+from bench.common import REPO_ROOT, BenchError, Lines, Procs
 
 VERSION = "4.3.0"
 VENV = REPO_ROOT / "bench" / ".supervisord-venv"
@@ -57,62 +57,26 @@ def ensure() -> Path:
     return exe
 
 
-class LogFollower:
-    """Follows supervisord's log file; each line becomes (unix time it was logged, text)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lines: list[tuple[float, str]] = []
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self.path.exists() and not self._stop.is_set():
-            time.sleep(0.005)
-        partial = ""
-        with self.path.open() as f:
-            while not self._stop.is_set():
-                chunk = f.read()
-                if not chunk:
-                    time.sleep(0.005)
-                    continue
-                partial += chunk
-                *complete, partial = partial.split("\n")
-                parsed = [p for p in (_parse(line) for line in complete) if p is not None]
-                with self._cond:
-                    self.lines.extend(parsed)
-                    self._cond.notify_all()
-
-    def wait(self, pattern: str, timeout: float, start: int = 0) -> tuple[int, float, str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            i = start
-            while True:
-                while i < len(self.lines):
-                    t, text = self.lines[i]
-                    if rx.search(text):
-                        return i, t, text
-                    i += 1
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    tail = "\n".join(t for _, t in self.lines[-8:])
-                    raise BenchError(f"supervisord never logged /{pattern}/; last lines:\n{tail}")
-                self._cond.wait(left)
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self.lines)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
+def _follow(path: Path, stop: threading.Event) -> Iterator[str]:
+    """The lines of a file as they are written to it, until `stop`."""
+    while not path.exists():
+        if stop.wait(0.005):
+            return
+    partial = ""
+    with path.open() as f:
+        while not stop.is_set():
+            chunk = f.read()
+            if not chunk:
+                time.sleep(0.005)
+                continue
+            partial += chunk
+            *complete, partial = partial.split("\n")
+            yield from (line + "\n" for line in complete)
 
 
 def _parse(line: str) -> tuple[float, str] | None:
-    m = _LINE.match(line)
+    """A line of supervisord's log: (unix time it was logged, text)."""
+    m = _LINE.match(line.rstrip("\n"))
     if not m:
         return None
     # supervisord stamps local time with milliseconds.
@@ -175,7 +139,8 @@ redirect_stderr=true
 stdout_logfile={self.child_log}
 """)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log: LogFollower | None = None
+        self.log: Lines | None = None  # events: (unix time logged, text)
+        self._stop = threading.Event()
 
     def start(self) -> Supervisord:
         # No PYTHONPATH: the repository's `supervisor` package would shadow supervisord's own.
@@ -185,7 +150,7 @@ stdout_logfile={self.child_log}
             stdout=subprocess.DEVNULL,
             stderr=(self.work / "supervisord.stderr").open("wb"),
         )
-        self.log = LogFollower(self.log_path)
+        self.log = Lines(_follow(self.log_path, self._stop), parse=_parse)
         return self
 
     @property
@@ -194,12 +159,15 @@ stdout_logfile={self.child_log}
         return self.proc.pid
 
     def wait(self, pattern: str, timeout: float, start: int = 0) -> tuple[int, float, str]:
+        """(index, time, text) of the first log line from `start` on matching `pattern`."""
         assert self.log is not None
-        return self.log.wait(pattern, timeout, start)
+        rx = re.compile(pattern)
+        i, (t, text) = self.log.wait(lambda e: rx.search(e[1]) is not None, timeout, start)
+        return i, t, text
 
     def child_pid(self) -> int:
         assert self.log is not None
-        spawned = [t for _, t in self.log.lines if f"spawned: '{PROGRAM}' with pid" in t]
+        spawned = [t for _, t in self.log.events if f"spawned: '{PROGRAM}' with pid" in t]
         if not spawned:
             raise BenchError("supervisord has not spawned the program")
         return int(spawned[-1].rsplit(" ", 1)[1])
@@ -207,8 +175,7 @@ stdout_logfile={self.child_log}
     def stop(self) -> None:
         if self.proc is not None:
             self.procs.stop(self.proc, timeout=20)
-        if self.log is not None:
-            self.log.close()
+        self._stop.set()
 
 
 # The log lines, as supervisord 4.3 writes them.
