@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ def run(settings: Settings, only: tuple[str, ...], root: Path) -> dict[str, Any]
     stale = sweep_marked(stale=True)
     results: dict[str, Any] = {
         "machine": machine(),
-        "settings": settings.to_dict(),
+        "settings": asdict(settings),
         "approaches": list(only),
         "not_measured": {},
         "durations": {},
@@ -237,7 +238,7 @@ def compare(argv: list[str]) -> int:
         )
     if KIMI not in only:
         p.error("kimi-serve is what the bench measures; keep it in --only")
-    settings = Settings.tiny() if a.quick else Settings.default()
+    settings = Settings.tiny() if a.quick else Settings()
 
     # SIGTERM/SIGHUP end the run like Ctrl-C does, through the cleanup below.
     def interrupt(signum: int, _frame: Any) -> None:

@@ -77,21 +77,12 @@ class Settings:
     broken_timeout: float = 3.0  # a decode slower than this counts as broken (false-ready check)
 
     @classmethod
-    def default(cls) -> Settings:
-        return cls()
-
-    @classmethod
     def tiny(cls) -> Settings:
         return cls(
             True, 0.3, 0.1, 2, 1, 1.0, 1, 1, 2.0, 10,
             {"interval": "0.5s", "timeout": "0.5s", "failure_threshold": 2},
             2.0, 1.0, "10000:0.3,100000:0.3,0:1", 20_000, 0.2, 1.0,
         )  # fmt: skip
-
-    def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self)
 
 
 @dataclass
@@ -615,7 +606,7 @@ def _broken_check(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> dict[str, 
         obs.close()
 
 
-def _fr_trial(ready: float, verdict: dict[str, Any], still_ready: bool) -> dict[str, Any]:
+def _fr_trial(ready: float | None, verdict: dict[str, Any], still_ready: bool) -> dict[str, Any]:
     """One broken launch under a baseline: was it (still) called ready while a decode failed."""
     return {
         "ready": ready,
@@ -623,10 +614,6 @@ def _fr_trial(ready: float, verdict: dict[str, Any], still_ready: bool) -> dict[
         "still_ready": still_ready,
         "detail": verdict["detail"],
     }
-
-
-def _fr_count(trials: list[dict[str, Any]]) -> int:
-    return sum(1 for t in trials if not t["decode_ok"] and t["still_ready"])
 
 
 def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float, dict[str, Any]]:
@@ -642,59 +629,62 @@ def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float,
     return onset, window
 
 
-def _hang_trial(
-    ctx: Ctx, who: str, onset: float, window: dict[str, Any], detected: bool, seen: str
-) -> list[dict[str, Any]]:
-    """A baseline's one hang trial (said as `seen` when it was detected)."""
-    trial = {
-        "onset": onset,
-        "detected": detected,
-        "watched_s": window["t"] - onset,
-        "health": window["health"],
-        "decode_ok_at_end": window["decode_ok_at_end"],
-    }
-    ctx.say(f"  {who} hang: {seen if detected else 'not noticed'} in {trial['watched_s']:.0f} s")
-    return [trial]
+def _faults(
+    ctx: Ctx,
+    who: str,
+    trial: Callable[[int], dict[str, Any]],
+    hang: Callable[[], tuple[float, dict[str, Any], bool]],
+    seen: str = "restarted",
+) -> dict[str, Any]:
+    """A baseline's false-ready trials (`trial(i)`: one broken launch each) and its hang trial
+    (`hang()`: the onset, the watcher's `window` event, whether it was detected)."""
+    false_ready = [trial(i) for i in range(ctx.s.false_ready_trials)]
+    bad = sum(1 for t in false_ready if not t["decode_ok"] and t["still_ready"])
+    ctx.say(f"  {who} false ready: {bad}/{len(false_ready)}")
+    onset, window, detected = hang()
+    watched = window["t"] - onset
+    ctx.say(f"  {who} hang: {seen if detected else 'not noticed'} in {watched:.0f} s")
+    hung = {"onset": onset, "detected": detected, "watched_s": watched}
+    hung |= {k: window[k] for k in ("health", "decode_ok_at_end")}
+    return {"false_ready": false_ready, "hang": [hung]}
 
 
 def supervisord_faults(ctx: Ctx) -> dict[str, Any]:
     """False ready (seed-incident) and hang (decode-hang) under supervisord."""
-    false_ready: list[dict[str, Any]] = []
-    for i in range(ctx.s.false_ready_trials):
+
+    def exits(sv: sv_mod.Supervisord) -> list[float]:
+        assert sv.log is not None
+        return [t for t, text in sv.log.events if sv_mod.EXITED in text]
+
+    def trial(i: int) -> dict[str, Any]:
         sv, port = _supervisord(ctx, ctx.dir(f"supervisord-false-ready-{i}"), SEED_INCIDENT)
         try:
             sv.start()
             _, t_run, _ = sv.wait(sv_mod.RUNNING, 60)
             verdict = _broken_check(ctx, port)
-            assert sv.log is not None
-            exited_before = any(
-                t <= verdict["t"]
-                for t, text in sv.log.events
-                if sv_mod.PROGRAM in text and "exited:" in text
-            )
-            false_ready.append(_fr_trial(t_run, verdict, not exited_before))
+            exited_before = any(t <= verdict["t"] for t in exits(sv))
+            return _fr_trial(t_run, verdict, not exited_before)
         finally:
             sv.stop()
-    ctx.say(f"  supervisord false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
-    sv, port = _supervisord(ctx, ctx.dir("supervisord-hang"), _hang_env(ctx.s))
-    try:
-        sv.start()
-        sv.wait(sv_mod.RUNNING, 60)
-        onset, window = _watch_hang(ctx, port)
-        assert sv.log is not None
-        restarted = any(t > onset for t, text in sv.log.events if "exited:" in text)
-    finally:
-        sv.stop()
-    hang = _hang_trial(ctx, "supervisord", onset, window, restarted, "restarted")
-    return {"false_ready": false_ready, "hang": hang}
+    def hang() -> tuple[float, dict[str, Any], bool]:
+        sv, port = _supervisord(ctx, ctx.dir("supervisord-hang"), _hang_env(ctx.s))
+        try:
+            sv.start()
+            sv.wait(sv_mod.RUNNING, 60)
+            onset, window = _watch_hang(ctx, port)
+            return onset, window, any(t > onset for t in exits(sv))
+        finally:
+            sv.stop()
+
+    return _faults(ctx, "supervisord", trial, hang)
 
 
 def systemd_faults(ctx: Ctx) -> dict[str, Any]:
     box = ctx.box
     assert box is not None
-    false_ready: list[dict[str, Any]] = []
-    for i in range(ctx.s.false_ready_trials):
+
+    def trial(i: int) -> dict[str, Any]:
         unit = f"standin-false-ready-{i}.service"
         port = _unit(ctx, f"systemd-false-ready-{i}", unit, SEED_INCIDENT)
         try:
@@ -703,52 +693,50 @@ def systemd_faults(ctx: Ctx) -> dict[str, Any]:
             verdict = _broken_check(ctx, port, box.prefix)
             state = box.show(unit, "ActiveState", "NRestarts")
             still = state.get("ActiveState") == "active" and state.get("NRestarts") == "0"
-            false_ready.append(_fr_trial(active, verdict, still))
+            return _fr_trial(active, verdict, still)
         finally:
             box.stop_unit(unit)
-    ctx.say(f"  systemd false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
-    unit = "standin-hang.service"
-    port = _unit(ctx, "systemd-hang", unit, _hang_env(ctx.s))
-    try:
-        box.start(unit)
-        onset, window = _watch_hang(ctx, port, box.prefix)
-        t = box.times(unit)
-    finally:
-        box.stop_unit(unit)
-    detected = bool(t["restarts"]) or (t["noticed"] or 0) > onset
-    hang = _hang_trial(ctx, "systemd", onset, window, detected, "restarted")
-    return {"false_ready": false_ready, "hang": hang}
+    def hang() -> tuple[float, dict[str, Any], bool]:
+        unit = "standin-hang.service"
+        port = _unit(ctx, "systemd-hang", unit, _hang_env(ctx.s))
+        try:
+            box.start(unit)
+            onset, window = _watch_hang(ctx, port, box.prefix)
+            t = box.times(unit)
+        finally:
+            box.stop_unit(unit)
+        return onset, window, bool(t["restarts"]) or (t["noticed"] or 0) > onset
+
+    return _faults(ctx, "systemd", trial, hang)
 
 
 def poller_faults(ctx: Ctx) -> dict[str, Any]:
-    s = ctx.s
-    wait_s = s.load_s + s.poller_period + 30
-    false_ready: list[dict[str, Any]] = []
-    for i in range(s.false_ready_trials):
+    wait_s = ctx.s.load_s + ctx.s.poller_period + 30
+
+    def gave_up(pr: PollerRun) -> list[float]:
+        return [e["t"] for e in pr.lines.find(lambda e: e.get("event") in ("unready", "died"))]
+
+    def trial(i: int) -> dict[str, Any]:
         pr = PollerRun(ctx, ctx.dir(f"poller-false-ready-{i}"), SEED_INCIDENT, seed=10 + i)
         try:
             _, ready = pr.wait("ready", wait_s)
             verdict = _broken_check(ctx, pr.port)
-            unready = [
-                e
-                for e in pr.lines.find(lambda e: e.get("event") in ("unready", "died"))
-                if e["t"] <= verdict["t"]
-            ]
-            false_ready.append(_fr_trial(ready["t"], verdict, not unready))
+            unready = any(t <= verdict["t"] for t in gave_up(pr))
+            return _fr_trial(ready["t"], verdict, not unready)
         finally:
             pr.stop()
-    ctx.say(f"  poller false ready: {_fr_count(false_ready)}/{len(false_ready)}")
 
-    pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20, env=_hang_env(s))
-    try:
-        pr.wait("ready", wait_s)
-        onset, window = _watch_hang(ctx, pr.port)
-        noticed = pr.lines.find(lambda e: e.get("event") in ("unready", "died") and e["t"] > onset)
-    finally:
-        pr.stop()
-    hang = _hang_trial(ctx, "poller", onset, window, bool(noticed), "noticed")
-    return {"false_ready": false_ready, "hang": hang}
+    def hang() -> tuple[float, dict[str, Any], bool]:
+        pr = PollerRun(ctx, ctx.dir("poller-hang"), seed=20, env=_hang_env(ctx.s))
+        try:
+            pr.wait("ready", wait_s)
+            onset, window = _watch_hang(ctx, pr.port)
+            return onset, window, any(t > onset for t in gave_up(pr))
+        finally:
+            pr.stop()
+
+    return _faults(ctx, "poller", trial, hang, "noticed")
 
 
 LIVENESS_OK = 'kimi_serve_probe_duration_seconds_count{kind="liveness",outcome="ok"}'

@@ -91,13 +91,12 @@ class SystemdBox:
 
     def times(self, name: str) -> dict[str, float | None]:
         stamps = ("ActiveEnterTimestamp", "ExecMainStartTimestamp", "ActiveExitTimestamp")
-        raw = self.show(name, *stamps, "NRestarts", "MainPID")
+        raw = self.show(name, *stamps, "NRestarts")
         return {
             "active": _stamp(raw.get("ActiveEnterTimestamp", "")),
             "started": _stamp(raw.get("ExecMainStartTimestamp", "")),
             "noticed": _stamp(raw.get("ActiveExitTimestamp", "")),
             "restarts": float(raw.get("NRestarts", "0") or 0),
-            "main_pid": float(raw.get("MainPID", "0") or 0),
         }
 
     def main_host_pid(self, name: str) -> int:
