@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import psutil
+import yaml
 
+from testkit import DaemonProcess
 from testkit.wait import wait_until as kit_wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -118,8 +120,9 @@ class Procs:
         return sweep_marked()
 
 
-def marked(stale: bool = False) -> list[psutil.Process]:
-    """Live processes of this run; with `stale`, those of earlier runs whose bench is gone."""
+def sweep_marked(stale: bool = False) -> list[str]:
+    """Kill the live processes of this run (with `stale`: those of earlier runs whose bench is
+    gone); what was killed."""
     found = []
     me = os.getpid()
     for proc in psutil.process_iter(["pid"]):
@@ -135,17 +138,12 @@ def marked(stale: bool = False) -> list[psutil.Process]:
                     found.append(proc)
             elif value == RUN_ID:
                 found.append(proc)
-    return found
-
-
-def sweep_marked(stale: bool = False) -> list[str]:
-    left = marked(stale)
     names = []
-    for proc in left:
+    for proc in found:
         with contextlib.suppress(psutil.Error):
             names.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
             proc.kill()
-    psutil.wait_procs(left, timeout=5)
+    psutil.wait_procs(found, timeout=5)
     return names
 
 
@@ -474,9 +472,16 @@ def state_is(to: str) -> Callable[[Mapping[str, Any]], bool]:
     return lambda e: e.get("event") == "state" and e.get("new") == to
 
 
-def daemon_env() -> dict[str, str]:
-    """This environment without NOTIFY_SOCKET, for a daemon started by hand."""
-    return {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+def write_yaml(path: Path, doc: Mapping[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(dict(doc)))
+    return path
+
+
+def start_daemon(work: Path, cfg: dict[str, Any]) -> DaemonProcess:
+    """`kimi-serve run` on `cfg` (testkit.DaemonProcess: its JSON log lines as it prints them),
+    in this environment less NOTIFY_SOCKET."""
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+    return DaemonProcess.start(write_yaml(work / "kimi-serve.yaml", cfg), cfg, env)
 
 
 # ---------------------------------------------------------------------------- GPU benches

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, at, parser, state_is
-from bench.real_sglang import config, scheduler_pid, sglang_env, start
+from bench.common import REPO_ROOT, at, parser, start_daemon, state_is
+from bench.real_sglang import config, scheduler_pid, sglang_env
 
 BACKOFF_S = 5.0  # restart.backoff_initial's default
 
@@ -87,7 +87,7 @@ def one_round(
         else:
             for f in model.iterdir():
                 f.read_bytes()
-        d = start(work, cfg)
+        d = start_daemon(work, cfg)
         try:
             d.wait_for(state_is("ready"), 600, "ready")
             first = _load_row(d.status())

@@ -42,9 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
-from bench.common import daemon_env, parser
+from bench.common import parser, start_daemon
 from bench.loadgen import LoadGenerator
 from testkit import DaemonProcess
 from testkit.fleet import ListWatch, replica_config, user_arrivals, worker_url
@@ -233,10 +232,7 @@ async def broken_uncoupled(approach: str, s: Settings, fault: dict[str, str]) ->
 def _daemon(tmp: Path, router: RouterProcess, env: Mapping[str, str]) -> DaemonProcess:
     """`kimi-serve run` for one replica, with router.url set."""
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg = replica_config(tmp, router.url, env)
-    path = tmp / "kimi-serve.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return DaemonProcess.start(path, cfg, daemon_env())
+    return start_daemon(tmp, replica_config(tmp, router.url, env))
 
 
 def _until(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:

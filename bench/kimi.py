@@ -13,9 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from bench.common import PYTHON, BenchError, Lines, NotifySocket, Procs, state_is
+from bench.common import PYTHON, BenchError, Lines, NotifySocket, Procs, state_is, write_yaml
 from supervisor import config as config_mod
 from supervisor.sglang import argv as command
 from testkit import base_config, kill_owned, owned_processes, wait_gone
@@ -73,9 +71,7 @@ def bench_config(
 
 def launch_spec(cfg: dict[str, Any], work: Path) -> command.LaunchSpec:
     """The exact argv and env kimi-serve launches for this config: the baselines run the same."""
-    path = work / "argv-check.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return command.build(config_mod.load(str(path)))
+    return command.build(config_mod.load(str(write_yaml(work / "argv-check.yaml", cfg))))
 
 
 def _sglang_line(line: str) -> bool:
@@ -92,35 +88,21 @@ class KimiServe:
         notify: NotifySocket | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.procs = procs
-        self.work = work
-        self.cfg = cfg
-        self.notify = notify
+        self.procs, self.work, self.cfg = procs, work, cfg
         self.env = dict(env or {})
+        if notify is not None:
+            self.env["NOTIFY_SOCKET"] = str(notify.path)
+        self.admin = f"http://{cfg['admin']['listen']}"
+        self.port = int(cfg["sglang"]["port"])
+        self.owner = str(Path(cfg["state_dir"]).resolve())
         self.proc: subprocess.Popen[str] | None = None
         self.lines: Lines | None = None
 
-    @property
-    def admin(self) -> str:
-        return f"http://{self.cfg['admin']['listen']}"
-
-    @property
-    def port(self) -> int:
-        return int(self.cfg["sglang"]["port"])
-
-    @property
-    def owner(self) -> str:
-        return str(Path(self.cfg["state_dir"]).resolve())
-
     def start(self) -> KimiServe:
-        path = self.work / "kimi-serve.yaml"
-        path.write_text(yaml.safe_dump(self.cfg))
-        env = dict(self.env)
-        if self.notify is not None:
-            env["NOTIFY_SOCKET"] = str(self.notify.path)
+        path = write_yaml(self.work / "kimi-serve.yaml", self.cfg)
         self.proc = self.procs.start(
             [BIN, "run", "--config", path],
-            env=env,
+            env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -133,8 +115,6 @@ class KimiServe:
         assert self.proc is not None
         return self.proc.pid
 
-    # -- events --------------------------------------------------------------------------
-
     def wait_state(self, new: str, timeout: float, start: int = 0) -> tuple[int, dict[str, Any]]:
         assert self.lines is not None
         return self.lines.wait(state_is(new), timeout, start)
@@ -145,8 +125,6 @@ class KimiServe:
         if not launched:
             raise BenchError("kimi-serve launched no SGLang")
         return int(launched[-1]["pid"])
-
-    # -- shutdown ------------------------------------------------------------------------
 
     def stop(self) -> list[int]:
         """Stop the daemon (SIGTERM) and return the pids of any SGLang process left behind

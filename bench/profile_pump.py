@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from bench.common import parser
+from bench.common import parser, write_yaml
 from bench.flood import LINE
 from supervisor import config as config_mod
 from supervisor import log
@@ -93,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from supervisor.daemon.loop import Daemon
 
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull:
-        path = Path(tmp) / "kimi-serve.yaml"
-        path.write_text(yaml.safe_dump(base_config(Path(tmp))))
+        path = write_yaml(Path(tmp) / "kimi-serve.yaml", base_config(Path(tmp)))
         cfg = config_mod.load(str(path))
         log.setup("json", "info", stream=devnull, prefix=False)
         lines = _lines(a.lines)

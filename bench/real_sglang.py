@@ -27,9 +27,8 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
-from bench.common import REPO_ROOT, at, daemon_env, parser, state_is
+from bench.common import REPO_ROOT, at, parser, start_daemon, state_is
 from supervisor.sglang.logscan import READY_LINE
 from testkit import DaemonProcess, base_config, free_port
 from testkit.sglang_cpu import CPU_ARGS
@@ -93,16 +92,10 @@ def scheduler_pid(d: DaemonProcess) -> int:
     )
 
 
-def start(work: Path, cfg: dict[str, Any]) -> DaemonProcess:
-    path = work / "kimi-serve.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return DaemonProcess.start(path, cfg, daemon_env())
-
-
 def one_round(python: str, model: str, standin: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
         work = Path(tmp)
-        d = start(work, config(work, python, model, standin))
+        d = start_daemon(work, config(work, python, model, standin))
         try:
             loading = d.wait_for(state_is("loading"), 120, "loading")
             warming = d.wait_for(state_is("warming"), 300, "warming")
