@@ -302,7 +302,6 @@ class Observer:
         procs: Procs,
         port: int,
         *,
-        timeout: float = 60.0,
         fresh: bool = True,
         mode: str = "serve",
         window: float = 20.0,
@@ -311,7 +310,7 @@ class Observer:
         prefix: Sequence[str] = (),
     ) -> None:
         argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port)]
-        argv += ["--timeout", str(timeout), "--mode", mode, "--window", str(window)]
+        argv += ["--mode", mode, "--window", str(window)]
         argv += ["--decode-timeout", str(decode_timeout)]
         if readyz:
             argv += ["--readyz", readyz]

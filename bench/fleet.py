@@ -115,11 +115,10 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, ready: bool = True, env: Mapping[str, str] | None = None) -> None:
+    def start(self) -> None:
         flags = ["--model-path", MODEL, "--port", str(self.port), "--enable-metrics"]
-        self.proc = Standin(flags, {**self.env, **(env or {})}, self.port)
-        if ready:
-            self.proc.wait_ready()
+        self.proc = Standin(flags, self.env, self.port)
+        self.proc.wait_ready()
 
     def lines(self) -> list[str]:
         return [*self.history, *(self.proc.lines if self.proc else [])]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU fitness and leftover counting on real hardware (one GPU is enough).
 
 1. Fitness read on real NVML: every field as the driver reports it (`PynvmlNvml.health()`),

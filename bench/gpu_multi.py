@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU hygiene and fitness across several GPUs (2 or more), as tensor parallel runs them.
 
 On a machine with N >= 2 NVIDIA GPUs and torch:

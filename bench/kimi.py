@@ -39,7 +39,6 @@ def bench_config(
     warmup_s: float,
     env: dict[str, str] | None = None,
     liveness: dict[str, Any] | None = None,
-    **overrides: Any,
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     standin_env = {
@@ -49,7 +48,7 @@ def bench_config(
         "STANDIN_CRASH_SLEEP_SECONDS": "65",
         **(env or {}),
     }
-    cfg = base_config(
+    return base_config(
         work,
         sglang={"model_path": model_dir(work), "env": standin_env},
         readiness={"load_timeout": "60s", "probe": {"timeout": "30s"}},
@@ -61,12 +60,6 @@ def bench_config(
         },
         stop={"drain_timeout": "5s"},
     )
-    for section, value in overrides.items():
-        if isinstance(value, dict) and isinstance(cfg.get(section), dict):
-            cfg[section].update(value)
-        else:
-            cfg[section] = value
-    return cfg
 
 
 def launch_spec(cfg: dict[str, Any], work: Path) -> command.LaunchSpec:

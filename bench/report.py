@@ -390,7 +390,6 @@ def footprint(results: dict[str, Any]) -> tuple[Table, dict[str, Any]]:
 
 
 def goals(
-    results: dict[str, Any],
     ready: dict[str, Stat | None],
     fr: dict[str, tuple[int, int]],
     dd: dict[str, Stat | None],
@@ -413,16 +412,12 @@ def goals(
         worst = min(s["ratio"] for s in steps)
         blocked = sum(s["eagain"] for s in steps)
         add(pump, f"worst {worst:.2f}x", worst >= 0.8)
-        add(
-            "the child never blocks (up to 100k lines/s)", f"{blocked} blocked writes", blocked == 0
-        )
+        never = "the child never blocks (up to 100k lines/s)"
+        add(never, f"{blocked} blocked writes", blocked == 0)
     else:
         add(pump, "—", None)
-    add(
-        "daemon RSS ≤ 60 MiB",
-        f"{f['rss_max']:.1f} MiB (max)" if f else "—",
-        f and f["rss_max"] <= 60,
-    )
+    rss = f"{f['rss_max']:.1f} MiB (max)" if f else "—"
+    add("daemon RSS ≤ 60 MiB", rss, f and f["rss_max"] <= 60)
     add("daemon CPU ≤ 1% of one core", f"{f['cpu']:.2f}%" if f else "—", f and f["cpu"] <= 1.0)
     return ("Goals", ["goal", "kimi-serve", "verdict"], rows, [])
 
@@ -435,7 +430,7 @@ def all_tables(results: dict[str, Any]) -> list[Table]:
     t5, _ = recovery(results)
     t6, lp = log_pump(results)
     t7, fp = footprint(results)
-    return [goals(results, ready, fr, dd, lp, fp), t1, t2, t3, t4, *t5, t6, t7]
+    return [goals(ready, fr, dd, lp, fp), t1, t2, t3, t4, *t5, t6, t7]
 
 
 # ---------------------------------------------------------------------------- rendering

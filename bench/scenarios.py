@@ -544,24 +544,12 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
     work = ctx.dir("kimi-false-ready")
     ns = NotifySocket(work / "notify.sock")
     ks = KimiServe(ctx.procs, work, _cfg(ctx, work, env=SEED_INCIDENT), ns)
-    readyz_200 = 0
-    polls = 0
-    stop = threading.Event()
-
-    def poll() -> None:
-        nonlocal readyz_200, polls
-        while not stop.wait(0.05):
-            status = url_status(ks.admin + "/readyz", 1.0)
-            if status is not None:
-                polls += 1
-                readyz_200 += status == 200
-
-    poller = threading.Thread(target=poll, daemon=True)
     verdicts: list[dict[str, Any]] = []
+    poller = None
     try:
         t0 = time.time()
         ks.start()
-        poller.start()
+        poller = Sampler(lambda: url_status(ks.admin + "/readyz", 1.0), interval=0.05)
         start = 0
         for _ in range(s.false_ready_trials):
             start, ev = ks.wait_state("restarting", 120, start)
@@ -571,14 +559,16 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
             opened = at(warming[-1]) if warming else None
             verdicts.append({"reason": ev["reason"], "at": at(ev), "warming": opened})
             start += 1
-        stop.set()
-        poller.join(2)
+        poller.stop()
         ready_msgs = ns.count(is_ready_msg, t0)
         ready_states = len(ks.lines.find(state_is("ready"))) if ks.lines else 0
     finally:
-        stop.set()
+        if poller is not None:
+            poller.stop()
         ks.stop()
         ns.close()
+    statuses = [v for _, v in poller.samples if v is not None]
+    readyz_200, polls = statuses.count(200), len(statuses)
     ctx.say(
         f"  kimi-serve false ready: {ready_msgs} READY=1 over {len(verdicts)} broken "
         f"launches, /readyz 200 {readyz_200}/{polls}"
@@ -596,10 +586,10 @@ def kimi_false_ready(ctx: Ctx) -> dict[str, Any]:
 
 
 def _broken_check(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    timeout = ctx.s.broken_timeout
     obs = Observer(
-        ctx.procs, port, fresh=False, mode="broken", timeout=60,
-        decode_timeout=ctx.s.broken_timeout, prefix=list(prefix),
-    )  # fmt: skip
+        ctx.procs, port, fresh=False, mode="broken", decode_timeout=timeout, prefix=prefix
+    )
     try:
         return obs.event("verdict", timeout=70)
     finally:
@@ -620,9 +610,8 @@ def _watch_hang(ctx: Ctx, port: int, prefix: Sequence[str] = ()) -> tuple[float,
     """A baseline under the decode hang: the onset, and the watcher's `window` event once it
     had watched for `hang_window` seconds after it."""
     obs = Observer(
-        ctx.procs, port, fresh=False, mode="hang", window=ctx.s.hang_window, timeout=60,
-        prefix=prefix,
-    )  # fmt: skip
+        ctx.procs, port, fresh=False, mode="hang", window=ctx.s.hang_window, prefix=prefix
+    )
     onset = float(obs.event("onset", timeout=70)["t"])
     window = obs.event("window", timeout=ctx.s.hang_window + 30)
     obs.close()

@@ -97,8 +97,6 @@ class Supervisord:
         work: Path,
         argv: Sequence[str],
         env: Mapping[str, str],
-        *,
-        startsecs: int = 1,
     ) -> None:
         self.procs = procs
         self.work = work
@@ -130,7 +128,7 @@ directory={REPO_ROOT}
 environment={environment}
 autostart=true
 autorestart=true
-startsecs={startsecs}
+startsecs=1
 startretries=3
 stopasgroup=true
 killasgroup=true
