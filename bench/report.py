@@ -77,20 +77,18 @@ def readiness(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         lag = Stat.of((x["ready"] - x["decode"]) * 1000 for x in samples)
         bind = Stat.of((x["ready"] - x["bind"]) * 1000 for x in samples)
         medians[a] = lag
-        rows.append([a, means[a], *_n_stat(lag), _median(bind), ""])
+        k, vs = medians.get(KIMI), ""  # kimi-serve comes first
+        if a != KIMI and lag is not None and k is not None:
+            vs = (
+                f"{lag.median / k.median:.0f}x later"
+                if lag.median > 0 and k.median > 0
+                else f"ready {_ms(-lag.median)} ms before it could serve"
+            )
+        rows.append([a, means[a], *_n_stat(lag), _median(bind), vs])
         if a == KIMI:
             rz = Stat.of((x["readyz"] - x["decode"]) * 1000 for x in samples if x.get("readyz"))
             rows.append(
                 [f"{KIMI} /readyz", "/readyz 200 (polled every 2 ms)", *_n_stat(rz), "", ""]
-            )
-    k = medians.get(KIMI)
-    for row in rows:
-        base = medians.get(row[0])
-        if row[0] != KIMI and base is not None and k is not None:
-            row[6] = (
-                f"{base.median / k.median:.0f}x later"
-                if base.median > 0 and k.median > 0
-                else f"ready {_ms(-base.median)} ms before it could serve"
             )
     notes = [
         "Lag = ready reported - the first moment a decode was served (the watcher's 8-token "
@@ -146,15 +144,13 @@ def death(results: dict[str, Any]) -> tuple[Table, dict[str, Stat | None]]:
         own = Stat.of((x["noticed"] - x["dead"]) * 1000 for x in d)
         exit_ = Stat.of((x["dead"] - x["kill"]) * 1000 for x in d)
         stats[a] = total
-        rows.append([a, *_n_stat(total), _median(own), _median(exit_), ""])
+        k, vs = stats.get(KIMI), ""  # kimi-serve comes first
+        if a != KIMI and total is not None and k is not None:
+            vs = f"{total.median / k.median:.2f}x" if k.median > 0 else "—"
+        rows.append([a, *_n_stat(total), _median(own), _median(exit_), vs])
         if a == KIMI:
             st = Stat.of((x["status_datagram"] - x["kill"]) * 1000 for x in d)
             rows.append([f"{KIMI} STATUS=", *_n_stat(st), "", "", "datagram arrival"])
-    k = stats.get(KIMI)
-    for row in rows:
-        base = stats.get(row[0])
-        if row[0] != KIMI and row[0] in stats and base is not None and k is not None:
-            row[6] = f"{base.median / k.median:.2f}x" if k.median > 0 else "—"
     notes = [
         "kill = just before SIGKILL of the server's main process; exited = when the "
         "process was gone (the bench's own pidfd); noticed = the supervisor's record "
