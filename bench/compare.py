@@ -230,12 +230,9 @@ def compare(argv: list[str]) -> int:
         json_out = ["--json", str(a.json)] if a.json else []
         return downtime.main(["--rounds", str(a.downtime), *json_out])
     only = tuple(x.strip() for x in a.only.split(",") if x.strip())
-    unknown = set(only) - set(APPROACHES)
+    unknown = ", ".join(sorted(set(only) - set(APPROACHES)))
     if unknown:
-        p.error(
-            f"unknown approach(es) {', '.join(sorted(unknown))}; "
-            f"choose from {', '.join(APPROACHES)}"
-        )
+        p.error(f"unknown approach(es) {unknown}; choose from {', '.join(APPROACHES)}")
     if KIMI not in only:
         p.error("kimi-serve is what the bench measures; keep it in --only")
     settings = Settings.tiny() if a.quick else Settings()
@@ -279,12 +276,9 @@ def compare(argv: list[str]) -> int:
         f"{m['python']}; load average {m['loadavg_start'][0]:.2f} → "
         f"{m['loadavg_end'][0]:.2f}; {results['seconds']:.0f} s"
     )
-    print(head)
-    print()
-    print(report.text(tables))
+    print(f"{head}\n\n{report.text(tables)}")
     if real_table:
-        print()
-        print(real_table)
+        print(f"\n{real_table}")
     for name, why in results["not_measured"].items():
         print(f"not measured: {name}: {why}")
     if results["left_behind"]:

@@ -108,12 +108,9 @@ class Replica:
             "STANDIN_REQUEST_LOG": self.request_log,
             **(env or {}),
         }
+        self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Standin | None = None
         self.history: list[str] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         flags = ["--model-path", MODEL, "--port", str(self.port), "--enable-metrics"]

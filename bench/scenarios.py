@@ -1,16 +1,11 @@
 """The measurements. Each function runs one approach through one scenario and returns raw
 samples (wall-clock times); bench/report.py turns them into the tables.
 
-Definitions used throughout (docs/benchmarks.md repeats them):
-- can serve: the serving watcher (bench/observe.py) connects every millisecond; at the first
-  accepted connection it sends an 8-token /generate, and `decode` is when the complete answer
-  arrived. `bind` is when the connection was accepted.
-- ready reported: kimi-serve's READY=1 datagram arriving on the bench's NOTIFY_SOCKET (and its
-  /readyz turning 200); supervisord logging "entered RUNNING state"; systemd's
-  ActiveEnterTimestamp; the poller's first /health 200.
-- death noticed: kimi-serve's "state" event (ready -> restarting); supervisord's "exited:" log
-  line; systemd's ActiveExitTimestamp; the poller's relist that found the process gone.
-  `dead` is when the killed process had actually exited (a pidfd the bench holds).
+What `bind` and `decode` (can serve), ready reported and death noticed are for each approach:
+docs/benchmarks.md, "What is compared" and "Definitions". Death noticed is kimi-serve's "state"
+event (ready -> restarting), supervisord's "exited:" log line, systemd's ActiveExitTimestamp,
+the poller's relist that found the process gone; `dead` is when the killed process had
+actually exited (a pidfd the bench holds).
 """
 
 from __future__ import annotations
