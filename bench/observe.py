@@ -42,7 +42,9 @@ _done_readyz = threading.Event()
 _out = threading.Lock()
 
 
-def _emit(event: str, **fields: object) -> None:
+def emit(event: str, **fields: object) -> None:
+    """One JSON line on stdout: the event, its fields, `t` (now, unless given)."""
+    fields.setdefault("t", time.time())
     with _out:
         sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
         sys.stdout.flush()
@@ -70,10 +72,10 @@ def _readyz(url: str, deadline: float) -> None:
     a daemon cannot be ready earlier, and polling it during the load would only load it)."""
     while time.monotonic() < deadline:
         if url_status(url, 1.0) == 200:
-            _emit("readyz", t=time.time())
+            emit("readyz")
             return
         time.sleep(0.002)
-    _emit("readyz_timeout", t=time.time())
+    emit("readyz_timeout")
 
 
 def kill(pid: int) -> int:
@@ -86,22 +88,22 @@ def kill(pid: int) -> int:
     try:
         fd = os.pidfd_open(pid)
     except OSError as exc:
-        _emit("error", t=time.time(), detail=str(exc))
+        emit("error", detail=str(exc))
         return 1
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     t = time.time()
     os.kill(pid, signal.SIGKILL)
-    _emit("killed", t=t)
+    emit("killed", t=t)
     if poller.poll(30_000):
         t = time.time()
         # Back to normal priority before anything else (the JSON, the interpreter's exit):
         # at real-time priority that would take the CPU from the supervisors being measured.
         with contextlib.suppress(OSError, AttributeError):
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        _emit("dead", t=t)
+        emit("dead", t=t)
         return 0
-    _emit("error", t=time.time(), detail="still alive after 30 s")
+    emit("error", detail="still alive after 30 s")
     return 1
 
 
@@ -126,7 +128,7 @@ def watch(port: int, timeout: float, fresh: bool, readyz: str | None) -> int:
             continue
         if not bound:
             bound = True
-            _emit("bind", t=now)
+            emit("bind", t=now)
             if readyz:
                 threading.Thread(target=_readyz, args=(readyz, deadline), daemon=True).start()
         attempts += 1
@@ -137,14 +139,14 @@ def watch(port: int, timeout: float, fresh: bool, readyz: str | None) -> int:
         finally:
             conn.close()
         if ok:
-            _emit("decode", t=time.time(), sent=now, attempts=attempts)
+            emit("decode", t=time.time(), sent=now, attempts=attempts)
             if readyz:
                 while time.monotonic() < deadline and not _done_readyz.is_set():
                     time.sleep(0.01)
             return 0
-        _emit("decode_failed", t=time.time(), sent=now, error=what)
+        emit("decode_failed", sent=now, error=what)
         time.sleep(POLL_S)
-    _emit("timeout", t=time.time())
+    emit("timeout")
     return 1
 
 
@@ -174,7 +176,7 @@ def _healthy(port: int, timeout: float) -> float | None:
         if health_status(HOST, port) == 200:
             return time.time()
         time.sleep(0.05)
-    _emit("timeout", t=time.time())
+    emit("timeout")
     return None
 
 
@@ -195,7 +197,7 @@ def broken(port: int, timeout: float, decode_timeout: float) -> int:
         return 1
     sent = time.time()
     ok, what = _one_decode(port, TOKENS, decode_timeout)
-    _emit("verdict", t=time.time(), healthy=healthy, sent=sent, decode_ok=ok, detail=what)
+    emit("verdict", healthy=healthy, sent=sent, decode_ok=ok, detail=what)
     return 0
 
 
@@ -216,16 +218,16 @@ def hang(port: int, timeout: float, window: float) -> int:
         answered += 1
         time.sleep(max(0.0, sent + 0.05 - time.time()))
     if onset is None:
-        _emit("timeout", t=time.time())
+        emit("timeout")
         return 1
-    _emit("onset", t=onset, answered=answered)
+    emit("onset", t=onset, answered=answered)
     end = time.monotonic() + window
     statuses = []
     while time.monotonic() < end:
         statuses.append(health_status(HOST, port))
         time.sleep(1.0)
     ok, _ = _one_decode(port, 1, 0.5)
-    _emit("window", t=time.time(), health=statuses, decode_ok_at_end=ok)
+    emit("window", health=statuses, decode_ok_at_end=ok)
     return 0
 
 
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.mode == "kill":
         return kill(a.pid)
-    _emit("started", t=time.time())
+    emit("started")
     if a.mode == "broken":
         return broken(a.port, a.timeout, a.decode_timeout)
     if a.mode == "hang":

@@ -21,21 +21,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-from bench.observe import health_status
-
-
-def _emit(event: str, **fields: object) -> None:
-    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
-    sys.stdout.flush()
+from bench.observe import emit, health_status
 
 
 class Poller:
@@ -49,7 +42,7 @@ class Poller:
     def spawn(self) -> None:
         self.child = subprocess.Popen(self.a.argv, stdin=subprocess.DEVNULL, start_new_session=True)
         self.launch += 1
-        _emit("spawned", pid=self.child.pid, launch=self.launch)
+        emit("spawned", pid=self.child.pid, launch=self.launch)
         threading.Thread(target=self.probe_loop, args=(self.launch,), daemon=True).start()
 
     def probe_loop(self, launch: int) -> None:
@@ -63,17 +56,17 @@ class Poller:
             if launch != self.launch:
                 return
             status = health_status("127.0.0.1", self.a.port, self.a.timeout)
-            _emit("probe", status=status, launch=launch)
+            emit("probe", status=status, launch=launch)
             if status == 200:
                 failures = 0
                 if not ready:
                     ready = True
-                    _emit("ready", launch=launch)
+                    emit("ready", launch=launch)
             else:
                 failures += 1
                 if ready and failures >= self.a.failure_threshold:
                     ready = False
-                    _emit("unready", launch=launch)
+                    emit("unready", launch=launch)
 
     def run(self) -> int:
         self.spawn()
@@ -81,7 +74,7 @@ class Poller:
             assert self.child is not None
             code = self.child.poll()
             if code is not None:
-                _emit("died", pid=self.child.pid, code=code, launch=self.launch)
+                emit("died", pid=self.child.pid, code=code, launch=self.launch)
                 self.spawn()
         return 0
 
