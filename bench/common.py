@@ -233,7 +233,7 @@ class Lines:
 
     def __init__(
         self,
-        stream: Iterable[str],
+        stream: Any,
         skip: Callable[[str], bool] | None = None,
         parse: Callable[[str], Any] = json_event,
     ) -> None:
@@ -246,7 +246,7 @@ class Lines:
         self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._thread.start()
 
-    def _read(self, stream: Iterable[str]) -> None:
+    def _read(self, stream: Any) -> None:
         for line in stream:
             if self._skip is not None and self._skip(line):
                 self.skipped += 1
@@ -322,7 +322,9 @@ class Observer:
 
     def event(self, *names: str, timeout: float) -> dict[str, Any]:
         """The first of the named events (or `timeout`, which raises)."""
-        _, ev = self.lines.wait(lambda e: e.get("event") in (*names, "timeout"), timeout)
+        ev: dict[str, Any] = self.lines.wait(
+            lambda e: e.get("event") in (*names, "timeout"), timeout
+        )[1]
         if ev.get("event") == "timeout":
             raise BenchError(f"the watcher gave up waiting for {'/'.join(names)}")
         return ev

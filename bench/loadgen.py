@@ -156,13 +156,6 @@ class LoadGenerator:
             stream = self.stream_every > 0 and n % self.stream_every == 0
             self.outcomes.append(await self._one(n, stream))
 
-    def _body(self, n: int, stream: bool) -> dict[str, Any]:
-        return {
-            "text": f"Request {n}: say hello",
-            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0},
-            "stream": stream,
-        }
-
     async def _one(self, n: int, stream: bool) -> Outcome:
         assert self._client is not None
         started = time.time()
@@ -173,10 +166,13 @@ class LoadGenerator:
         def outcome(result: str, error: str | None = None) -> Outcome:
             return Outcome(n, stream, started, time.time(), result, status, chunks, error)
 
+        payload = {
+            "text": f"Request {n}: say hello",
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0},
+            "stream": stream,
+        }
         try:
-            async with self._client.stream(
-                "POST", self.base + "/generate", json=self._body(n, stream)
-            ) as r:
+            async with self._client.stream("POST", self.base + "/generate", json=payload) as r:
                 status = r.status_code
                 if status != 200:
                     body = (await r.aread())[:200].decode("utf-8", "replace")

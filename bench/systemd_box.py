@@ -124,14 +124,11 @@ class SystemdBox:
 
         def done() -> dict[str, float | None] | None:
             t = self.times(name)
-            active = t["active"]
-            restarts = t["restarts"] or 0.0
-            if restarts > restarts_before and active is not None and active > after:
-                return t
-            return None
+            ok = (t["restarts"] or 0.0) > restarts_before and (t["active"] or 0.0) > after
+            return t if ok else None
 
-        result: dict[str, float | None] = wait_until(done, timeout, 0.2, f"{name} restarted")
-        return result
+        times: dict[str, float | None] = wait_until(done, timeout, 0.2, f"{name} restarted")
+        return times
 
     def stop(self) -> list[str]:
         """Kill the box (everything inside dies with its PID 1); host changes, if any."""
