@@ -312,6 +312,7 @@ class Observer:
         argv = [*prefix, str(PYTHON), "-m", "bench.observe", "--port", str(port)]
         argv += ["--mode", mode, "--window", str(window)]
         argv += ["--decode-timeout", str(decode_timeout)]
+        self.readyz = readyz
         if readyz:
             argv += ["--readyz", readyz]
         if fresh:
@@ -329,27 +330,22 @@ class Observer:
             raise BenchError(f"the watcher gave up waiting for {'/'.join(names)}")
         return ev
 
-    def result(self, timeout: float) -> dict[str, float]:
-        """{"bind": t, "decode": t}."""
-        self.event("decode", timeout=timeout)
-        return {
-            e["event"]: float(e["t"])
-            for e in self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
-        }
-
-    def served(self, timeout: float) -> dict[str, float]:
-        """`result`, then the watcher is closed."""
+    def served(self, timeout: float) -> dict[str, Any]:
+        """{"bind": t, "decode": t}, with --readyz also "readyz": when the daemon's /readyz first
+        answered 200 (polled from the bind on; None: not within 10 s); then the watcher is
+        closed."""
         try:
-            return self.result(timeout)
+            self.event("decode", timeout=timeout)
+            done = self.lines.find(lambda e: e.get("event") in ("bind", "decode"))
+            out: dict[str, Any] = {e["event"]: float(e["t"]) for e in done}
+            if self.readyz:
+                try:
+                    out["readyz"] = float(self.event("readyz", "readyz_timeout", timeout=10)["t"])
+                except BenchError:
+                    out["readyz"] = None
+            return out
         finally:
             self.close()
-
-    def readyz(self, timeout: float) -> float | None:
-        """When the daemon's /readyz first answered 200 (polled from the bind on)."""
-        try:
-            return float(self.event("readyz", "readyz_timeout", timeout=timeout)["t"])
-        except BenchError:
-            return None
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -21,6 +21,7 @@ After the plan it sleeps until killed, as a server would.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -30,6 +31,7 @@ import struct
 import sys
 import termios
 import time
+from typing import Any
 
 FD = 2
 LINE = (
@@ -114,20 +116,18 @@ def main() -> int:
     capacity = 0
     if is_pipe:
         os.set_blocking(FD, False)
-        try:
+        with contextlib.suppress(OSError):
             capacity = fcntl.fcntl(FD, _F_GETPIPE_SZ)
-        except OSError:
-            capacity = 0
-    for rate, seconds in plan:
-        time.sleep(gap)
-        step = run_step(FD, rate, seconds, max_lines, is_pipe)
-        step["pipe_capacity"] = capacity
+
+    def record(doc: dict[str, Any]) -> None:
         if result:
             with open(result, "a") as f:
-                f.write(json.dumps(step) + "\n")
-    if result:
-        with open(result, "a") as f:
-            f.write(json.dumps({"done": True}) + "\n")
+                f.write(json.dumps(doc) + "\n")
+
+    for rate, seconds in plan:
+        time.sleep(gap)
+        record(run_step(FD, rate, seconds, max_lines, is_pipe) | {"pipe_capacity": capacity})
+    record({"done": True})
     if "--exit" in sys.argv:
         return 0
     while True:

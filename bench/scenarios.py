@@ -179,13 +179,11 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
         t0 = time.time()
         ks.start()
         ks.wait_state("ready", 90)
-        r = obs.result(30)
-        readyz = obs.readyz(10)
-        obs.close()
+        r = obs.served(30)
         ready = ns.wait(is_ready_msg, t0, 10)
         if ready is None:
             raise BenchError("kimi-serve reached ready but no READY=1 arrived")
-        out["readiness"].append(_readiness("start", r, ready[0], readyz=readyz))
+        out["readiness"].append(_readiness("start", r, ready[0], readyz=r["readyz"]))
         for i in range(s.cycles):
             _settle(ctx, r["decode"])
             pid = ks.child_pid()
@@ -193,9 +191,7 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
             t_kill, death = kill_now(ctx.procs, pid)
             obs = Observer(ctx.procs, ks.port, readyz=ks.admin + "/readyz")
             ks.wait_state("ready", 90, start)
-            r = obs.result(30)
-            readyz = obs.readyz(10)
-            obs.close()
+            r = obs.served(30)
             dead = death(10)
             ready = ns.wait(is_ready_msg, t_kill, 10)
             status = ns.wait(lambda m: m.startswith("STATUS=restarting"), t_kill, 10)
@@ -223,7 +219,7 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
             steps = dict(zip(RECOVERY_STEPS, gaps, strict=True))
             total = {"total": ready[0] - t_kill, "serving": r["decode"] - t_kill}
             out["recovery"].append(steps | total)
-            out["readiness"].append(_readiness("restart", r, ready[0], readyz=readyz))
+            out["readiness"].append(_readiness("restart", r, ready[0], readyz=r["readyz"]))
             ctx.say(
                 f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
                 f"{(restarting - t_kill) * 1000:.1f} ms, ready again "
