@@ -212,9 +212,8 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("canary", __doc__)
+    ap = parser("canary", __doc__, json_out=True)
     ap.add_argument("--n", type=int, default=100, help="generations per condition")
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the servers' logs in this directory")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:

@@ -638,13 +638,21 @@ def verdict(checks: Mapping[str, bool]) -> int:
     return 0 if all(checks.values()) else 1
 
 
-def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
-    """The command line of `python -m bench NAME`, its module docstring as its help."""
-    return argparse.ArgumentParser(
+def parser(
+    name: str, doc: str | None, *, rounds: int | None = None, json_out: bool = False
+) -> argparse.ArgumentParser:
+    """The command line of `python -m bench NAME`, its module docstring as its help; with
+    `rounds`, --rounds (that the default); with `json_out`, --json FILE."""
+    ap = argparse.ArgumentParser(
         prog=f"python -m bench {name}",
         description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
+    if json_out:
+        ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    return ap
 
 
 def gpu_args(name: str, doc: str, gib_help: str, *, index: bool = True) -> argparse.ArgumentParser:

@@ -168,9 +168,7 @@ def table(rounds: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("downtime", __doc__)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", type=Path)
+    ap = parser("downtime", __doc__, rounds=2, json_out=True)
     ap.add_argument("--model-dir", type=Path, default=Path("/var/tmp/kimi-serve-bench"))
     only = "comma-separated: cold-off,cold-auto,warm-off,warm-auto"
     ap.add_argument("--only", default="", help=only)

@@ -388,13 +388,12 @@ async def run(s: Settings, only: tuple[str, ...]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("fleet", __doc__)
+    p = parser("fleet", __doc__, json_out=True)
     p.add_argument("--quick", action="store_true", help="short scenarios (about a minute)")
     p.add_argument("--smoke", action="store_true", help="shorter still: the suite's form")
     streams = argparse.BooleanOptionalAction
     p.add_argument("--streams", action=streams, default=True, help="every 2nd request streams")
     p.add_argument("--only", default=",".join(APPROACHES))
-    p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     only = tuple(a for a in args.only.split(",") if a)
     results = asyncio.run(run(Settings.make(args.quick, args.streams, args.smoke), only))

@@ -40,8 +40,7 @@ def measure(py_spy: str | None, rounds: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("incident-restart", __doc__)
-    p.add_argument("--rounds", type=int, default=3)
+    p = parser("incident-restart", __doc__, rounds=3)
     p.add_argument("--quick", action="store_true", help="one round with the real py-spy only")
     a = p.parse_args(argv)
     if a.quick:

@@ -61,8 +61,7 @@ def failed_follower(rounds: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("multinode", __doc__)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = parser("multinode", __doc__, rounds=5)
     ap.add_argument("--failed-follower", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the follower's SGLang killed only")
     args = ap.parse_args(argv)

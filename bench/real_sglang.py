@@ -152,9 +152,7 @@ def table(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("real-sglang", __doc__)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", type=Path)
+    ap = parser("real-sglang", __doc__, rounds=3, json_out=True)
     standin = "the SGLang stand-in instead (the suite's form)"
     ap.add_argument("--standin", action="store_true", help=standin)
     args = ap.parse_args(argv)

@@ -221,9 +221,8 @@ def kimi_cycles(ctx: Ctx) -> dict[str, Any]:
             out["recovery"].append(steps | total)
             out["readiness"].append(_readiness("restart", r, ready[0], readyz=r["readyz"]))
             ctx.say(
-                f"  kimi-serve kill {i + 1}/{s.cycles}: noticed "
-                f"{(restarting - t_kill) * 1000:.1f} ms, ready again "
-                f"{ready[0] - t_kill:.2f} s"
+                f"  kimi-serve kill {i + 1}/{s.cycles}: noticed {(restarting - t_kill) * 1000:.1f}"
+                f" ms, ready again {ready[0] - t_kill:.2f} s"
             )
     finally:
         out["left_behind"] = ks.stop()

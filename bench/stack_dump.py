@@ -41,9 +41,8 @@ async def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser("stack-dump", __doc__)
+    ap = parser("stack-dump", __doc__, rounds=5)
     ap.add_argument("--tp", type=int, action="append", help="--tp-size (default: 1 and 8)")
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget", type=float, default=2.0, help="seconds for the hanging py-spy")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kimi-bench-stacks-"))
