@@ -247,6 +247,11 @@ def _registered(doc: dict[str, Any]) -> bool:
     return bool((doc.get("router") or {}).get("registered"))
 
 
+def _in_service(doc: dict[str, Any]) -> bool:
+    """Ready and registered with the router."""
+    return doc.get("state") == "ready" and _registered(doc)
+
+
 async def _reached(
     d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], timeout: float = 30
 ) -> None:
@@ -282,7 +287,7 @@ async def planned_restart_coupled(s: Settings, tmp: Path) -> dict[str, Any]:
             await asyncio.sleep(s.warm_s)
             load.mark("restart")
             await asyncio.to_thread(_restart, daemons[1])
-            await _reached(daemons[1], lambda doc: doc.get("state") == "ready" and _registered(doc))
+            await _reached(daemons[1], _in_service)
             await asyncio.sleep(s.after_s)
         finally:
             stats = await load.stop()
@@ -324,15 +329,8 @@ async def broken_coupled(s: Settings, tmp: Path, fault: Mapping[str, str]) -> di
                 began = load.mark("broken replica started")
                 b = _daemon(tmp / "b", router, {**fault, **FIRST})
                 # Sound again: the second launch is decode-verified and registered.
-                await _reached(
-                    b,
-                    lambda doc: (
-                        doc.get("state") == "ready"
-                        and bool(doc.get("restarts"))
-                        and _registered(doc)
-                    ),
-                    s.watch_s + 60,
-                )
+                limit = s.watch_s + 60
+                await _reached(b, lambda doc: bool(doc.get("restarts")) and _in_service(doc), limit)
                 verified = float(b.status()["since"])  # when it entered ready
                 await asyncio.sleep(s.after_s)
             finally:
