@@ -95,7 +95,7 @@ class Procs:
             self._procs.append(proc)
         return proc
 
-    def stop(self, proc: subprocess.Popen[Any], timeout: float = 15.0) -> int | None:
+    def stop(self, proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
         """SIGTERM, wait, then SIGKILL its process group."""
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -107,7 +107,6 @@ class Procs:
                     os.killpg(proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
-        return proc.returncode
 
     def cleanup(self) -> list[str]:
         """Stop everything started here, then sweep by marker. Returns what had to be killed
