@@ -49,6 +49,12 @@ LAUNCH_ENV = "KIMI_SERVE_LAUNCH"
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20  # room for a burst of log lines while the loop is busy elsewhere
 _READ_CHUNK = 1 << 16
+# After a short read the pump waits this long before it reads again, so a writer that writes
+# line by line is read in batches, not with one wake-up of the loop per line. A full read goes
+# on at once, so a fast writer is never left behind; 2 ms fill 2 % of the grown pipe at 100k
+# lines/s (docs/benchmarks.md, "Log pump").
+_SHORT_READ = 1 << 14
+_READ_PAUSE_S = 0.002
 # After SIGKILL a process is gone within milliseconds (a few seconds for a large CUDA context);
 # one still there after this is stuck in the kernel.
 STUCK_AFTER_KILL_S = 30.0
@@ -192,6 +198,7 @@ class _Pump:
         self.fd = fd
         self.sink = sink
         self.partial = b""
+        self._resume: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
         loop.add_reader(fd, self._readable)
 
@@ -205,6 +212,10 @@ class _Pump:
         if not data:
             self.close()
             return
+        if len(data) < _SHORT_READ:
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self.fd)
+            self._resume = loop.call_later(_READ_PAUSE_S, self._read_again)
         data = self.partial + data
         parts = data.split(b"\n")
         self.partial = parts.pop()
@@ -218,9 +229,17 @@ class _Pump:
                 [p.decode("utf-8", "replace").rstrip("\r") for p in parts],
             )
 
+    def _read_again(self) -> None:
+        self._resume = None
+        if self.fd >= 0:
+            asyncio.get_running_loop().add_reader(self.fd, self._readable)
+
     def close(self) -> None:
         if self.fd < 0:
             return
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         asyncio.get_running_loop().remove_reader(self.fd)
         if self.partial:
             self.sink(self.child.launch, self.stream, [self.partial.decode("utf-8", "replace")])

@@ -7,7 +7,11 @@ tracebacks from the tokenizer manager that do not mean the server is broken.
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from supervisor.config import DEFAULT_FATAL_PATTERNS
 from supervisor.sglang.logscan import (
@@ -18,6 +22,7 @@ from supervisor.sglang.logscan import (
     Stream,
     exception_line,
     guess_level,
+    required_literals,
 )
 from supervisor.sglang.probe import new_rid
 
@@ -435,3 +440,56 @@ def test_a_line_that_only_starts_like_an_exception_name_is_not_one() -> None:
         '  File "web_protocol.py", line 1, in data_received',
     ]
     assert exception_line(tail) == tail[0]
+
+
+# ------------------------------------------------------------------ the literal prefilter
+
+TRICKY = (
+    *DEFAULT_FATAL_PATTERNS,
+    r"(?i)cuda out of memory",
+    r"a(?i:bc)def",
+    r"foo(bar)?baz",
+    r"[ab]cdef",
+    r"C(?:UDA|uda) error",
+    r"\bERROR\b",
+    r"x*yzw",
+    r"(abc|de)fgh",
+    r"(?:abcd|e)xyz",
+    r"ab{2,3}cde",
+    r"NCCL\s+error",
+    r"(?s)abc.def",
+    r"warmup (error|failed)|Initialization failed",
+    r"(?x) out \s of \s memory",
+)
+
+
+@pytest.mark.parametrize("pattern", TRICKY)
+@given(data=st.data())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_every_match_holds_one_of_the_required_literals(pattern: str, data: st.DataObject) -> None:
+    line = data.draw(st.from_regex(pattern))
+    assert re.search(pattern, line)
+    literals = required_literals(pattern)
+    assert literals is None or any(lit in line for lit in literals), (literals, line)
+
+
+def test_the_default_patterns_have_literals_and_odd_ones_are_searched() -> None:
+    assert all(required_literals(p) for p in DEFAULT_FATAL_PATTERNS)
+    assert required_literals(r"(Scheduler|TokenizerManager) hit an exception") == (
+        " hit an exception",
+    )
+    assert required_literals(r"CUDA out of memory|torch\.OutOfMemoryError") == (
+        "CUDA out of memory",
+        "torch.OutOfMemoryError",
+    )
+    # Case-insensitive, too short, or one branch without a literal: every line is searched.
+    for pattern in (r"(?i)oom", r"a(?i:bc)d", r"ab", r"a|bcd", r"x*", r"[", ""):
+        assert required_literals(pattern) is None, pattern
+
+
+def test_a_scanner_with_the_prefilter_gives_the_same_verdicts() -> None:
+    lines = [*INCIDENT, "NCCL error: unhandled system error", "all fine", "CUDA error: foo"]
+    fast = LogScanner(DEFAULT_FATAL_PATTERNS, 100)
+    slow = LogScanner(DEFAULT_FATAL_PATTERNS, 100)
+    slow._fatal = [(p, None) for p, _ in slow._fatal]  # every line searched
+    assert [fast.feed(x) for x in lines] == [slow.feed(x) for x in lines]

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from supervisor import process
 from supervisor.process import LAUNCH_ENV, Child, ProcessOwner, signals
 from supervisor.process.identity import OWNER_ENV, ProcessIdentity, identity_of
 from supervisor.sglang.logscan import Stream
@@ -149,3 +150,42 @@ async def test_terminate_escalates_to_sigkill_after_the_grace() -> None:
 
 def test_owner_env_name_is_the_contract() -> None:
     assert OWNER_ENV == "KIMI_SERVE_OWNER"
+
+
+class _PipeChild:
+    """What a pump needs of its child: the launch, and the count of pipes still open."""
+
+    launch = 1
+
+    def __init__(self) -> None:
+        self._open_pipes = 1
+        self.pipes_closed = asyncio.Event()
+
+
+async def test_after_a_short_read_the_pump_waits_and_then_reads_what_came_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(process, "_READ_PAUSE_S", 0.5)  # wide, so a busy machine still fits
+    batches: list[list[str]] = []
+    arrived = asyncio.Event()
+
+    def sink(_launch: int, _stream: Stream, lines: list[str]) -> None:
+        batches.append(lines)
+        arrived.set()
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    child = _PipeChild()
+    process._Pump(child, Stream.STDOUT, r, sink)  # type: ignore[arg-type]
+    os.write(w, b"first\n")
+    await asyncio.wait_for(arrived.wait(), 10)
+    for line in (b"b\n", b"c\n", b"d\n"):  # each a write of its own, the loop run between
+        os.write(w, line)
+        for _ in range(3):
+            await asyncio.sleep(0)
+    assert batches == [["first"]]  # paused: nothing read meanwhile
+    arrived.clear()
+    await asyncio.wait_for(arrived.wait(), 10)
+    assert batches == [["first"], ["b", "c", "d"]]  # then all of it in one read
+    os.close(w)
+    await asyncio.wait_for(child.pipes_closed.wait(), 10)  # the end is still seen

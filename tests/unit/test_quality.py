@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor import quality as q
 from supervisor.core.machine import (
@@ -257,6 +260,33 @@ def test_decode_graph_reads_sglang_lines() -> None:
     assert q.decode_graph(LINE.format(n=1, dev="cuda", used=False)) == (1, "cuda", False)
     assert q.decode_graph(LINE.format(n=3, dev="cpu", used=True)) == (3, "cpu", True)
     assert q.decode_graph("Prefill batch, #new-seq: 1") is None
+
+
+# The reading as one regex (what decode_graph reads with substring searches, for speed).
+_DECODE_REGEX = re.compile(
+    r"Decode batch[^\n]*?#running-req:\s*(\d+)[^\n]*?\b(cuda|cpu|npu|musa) graph:\s*(True|False)"
+)
+_FILLER = st.sampled_from(["", " ", ", ", "#token: 9, ", "x", "é", " graph: True, "])
+_LINES = st.tuples(
+    st.sampled_from(["", "[TP0] "]),
+    st.sampled_from(["Decode batch", "Prefill batch", ""]),
+    _FILLER,
+    st.sampled_from(["#running-req:", "#running-req", ""]),
+    st.sampled_from([" 3", "12", " x", ""]),
+    _FILLER,
+    st.sampled_from(["cuda", "cpu", "npu", "musa", "xcuda", "_npu", "gpu", " cuda", ""]),
+    st.sampled_from([" graph:", " graph: ", "graph:", ""]),
+    st.sampled_from(["True", "False", " True", "Maybe"]),
+    _FILLER,
+).map("".join)
+
+
+@given(_LINES)
+@settings(max_examples=400, deadline=None)
+def test_decode_graph_reads_what_the_regex_reads(line: str) -> None:
+    m = _DECODE_REGEX.search(line)
+    want = None if m is None else (int(m.group(1)), m.group(2), m.group(3) == "True")
+    assert q.decode_graph(line) == want
 
 
 def test_no_cuda_graph_after_consecutive_small_batches() -> None:
