@@ -294,13 +294,12 @@ class QualityWatch:
             and decoded_after - decoded_before > own_tokens + OTHERS_SLACK_TOKENS
         )
         busy = done.busy or others or bool(running and running > 0)
-        tps = decode_speed(meta, done.result.latency_s)
-        if cur.speed.add(tps, busy, server_measured="decode_throughput" in meta):
-            self._slow_changed(cur)
-        if canary_speed is not None and cur.speed.add(
-            canary_speed[0], busy, server_measured=canary_speed[1]
-        ):
-            self._slow_changed(cur)
+        speeds = [(decode_speed(meta, done.result.latency_s), "decode_throughput" in meta)]
+        if canary_speed is not None:
+            speeds.append(canary_speed)
+        for tps, measured in speeds:
+            if cur.speed.add(tps, busy, server_measured=measured):
+                self._slow_changed(cur)
         if cur.speculative:
             gauge = None if samples is None else endpoints.mean(samples, SPEC_GAUGE)
             if cur.spec.add(accept_length(meta), gauge):
