@@ -339,8 +339,10 @@ SETTINGS: tuple[Setting, ...] = (
       "([docs/benchmarks.md](docs/benchmarks.md#restart-downtime-on-real-sglang-cpu))"),
     S("warm.prewarm_readers", _int_in(1, 64), 4, "parallel readers"),
     S("warm.prewarm_headroom", parse_size, None,
-      "memory kept free: at most MemAvailable minus this is read, and the readers stop when "
-      "MemAvailable falls below it", "10% of MemTotal, at least 2 GiB"),
+      "memory kept free: at most the available memory minus this is read, and the readers stop "
+      "when it falls below this; available is the smaller of MemAvailable and what the "
+      "daemon's memory cgroup leaves below its limit (`MemoryMax=`, a container's limit)",
+      "10% of MemTotal (or of the cgroup's limit, if smaller), at least 2 GiB"),
     # --------------------------------------------------------------------------------- quality
     S("quality.canary.enabled", _bool, True,
       "a greedy canary generation, compared with the golden answer for the same model files "

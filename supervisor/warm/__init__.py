@@ -23,7 +23,7 @@ from supervisor.config import Config
 from supervisor.core.machine import State, Transitioned
 from supervisor.sglang import argv as command
 from supervisor.sglang import caches
-from supervisor.warm import prewarm
+from supervisor.warm import memory, prewarm
 
 # Cache directories are made and measured within this; a hung file system only loses the report.
 CACHES_TIMEOUT_S = 30.0
@@ -62,15 +62,13 @@ class Warm:
         spawn: Callable[[Coroutine[Any, Any, Any]], Any],
         on_progress: Callable[[], None] = lambda: None,
         *,
-        available: Callable[[], int] = prewarm.mem_available,
-        total: Callable[[], int] = prewarm.mem_total,
+        memory_bound: Callable[[], memory.Bound] = memory.bound,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.spawn = spawn
         self.on_progress = on_progress  # STATUS= again, with the note
-        self.available = available
-        self.total = total
+        self.memory_bound = memory_bound  # the host's and the memory cgroup's (warm.memory)
         self.log = log.get()
         self.round: Round | None = None
         self.done = asyncio.Event()  # the current round's work has ended (tests await it)
@@ -138,10 +136,11 @@ class Warm:
         w = self.cfg.warm
         headroom = w.prewarm_headroom
         try:
+            bound = self.memory_bound()
             if headroom is None:
-                headroom = prewarm.default_headroom(self.total())
+                headroom = prewarm.default_headroom(bound.total)
             files = prewarm.weight_files(models)
-            available = self.available()
+            available = bound.available
             plan = await threads.in_thread(
                 lambda: prewarm.plan(files, available, headroom), PLAN_TIMEOUT_S
             )
@@ -158,7 +157,7 @@ class Warm:
         if plan.skipped_for_memory:
             p.stopped = (
                 f"memory: {plan.skipped_for_memory} bytes left out "
-                f"(MemAvailable {available} - headroom {headroom})"
+                f"({bound.source} {available} - headroom {headroom})"
             )
         self.log.info(
             "prewarm",
@@ -168,8 +167,12 @@ class Warm:
             to_read=p.planned,
             readers=w.prewarm_readers,
             left_out_for_memory=plan.skipped_for_memory,
+            memory_available=available,
+            memory_bound=bound.source,
         )
-        readers = prewarm.Readers(plan.chunks, p, r.stop, headroom, self.available)
+        readers = prewarm.Readers(
+            plan.chunks, p, r.stop, headroom, lambda: self.memory_bound().available
+        )
         jobs = [
             asyncio.ensure_future(threads.in_thread(readers.work, READ_TIMEOUT_S))
             for _ in range(min(w.prewarm_readers, max(1, len(plan.chunks))))

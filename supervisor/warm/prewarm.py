@@ -10,9 +10,10 @@ reads hit memory. docs/benchmarks.md has what it gains, and when it does not.
   which pages are in the page cache without touching them (no copy, no I/O). `preadv2` with
   `RWF_NOWAIT` would answer the same but copies the data it finds and is not supported on
   every file system.
-- Bounded by memory: no more than MemAvailable minus `warm.prewarm_headroom` is read (a model
-  that does not fit would evict its own first files), and the readers stop as soon as
-  MemAvailable falls below the headroom (SGLang is allocating meanwhile).
+- Bounded by memory: no more than the available memory minus `warm.prewarm_headroom` is read (a
+  model that does not fit would evict its own first files), and the readers stop as soon as it
+  falls below the headroom (SGLang is allocating meanwhile). Available is the smaller of the
+  host's MemAvailable and what the daemon's memory cgroup leaves below its limit (`memory`).
 - It never holds the launch back: the launch goes ahead when the cleaning is done, the readers
   go on beside SGLang's load, and stop when its weights are in (the port opens) or the launch
   ends.
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from supervisor.warm import memory
 
 # What SGLang's loaders read (model_loader/weight_utils.py: safetensors first, then .bin/.pt);
 # GGUF and the quantisation formats' own files read the same way.
@@ -125,21 +128,6 @@ class Plan:
     skipped_for_memory: int  # non-resident bytes left out by the budget
 
 
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
-
-
-def mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("no MemTotal in /proc/meminfo")
-
-
 def default_headroom(total: int) -> int:
     """10% of the memory, at least 2 GiB: what SGLang and the rest of the host keep."""
     return max(total // 10, 2 << 30)
@@ -223,7 +211,7 @@ class Readers:
         progress: Progress,
         stop: threading.Event,
         headroom: int,
-        available: Callable[[], int] = mem_available,
+        available: Callable[[], int] = memory.available,
     ) -> None:
         self._queue = deque(chunks)
         self._lock = threading.Lock()
@@ -239,7 +227,7 @@ class Readers:
             if self._since_check >= MEMINFO_EVERY:
                 self._since_check = 0
                 if self.available() < self.headroom:
-                    self.progress.stopped = "memory: MemAvailable below warm.prewarm_headroom"
+                    self.progress.stopped = "memory: available memory below warm.prewarm_headroom"
                     self.stop.set()
             if self.stop.is_set() or not self._queue:
                 return None
