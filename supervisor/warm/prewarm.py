@@ -137,10 +137,11 @@ def plan(
     files: Iterable[Path],
     available: int,
     headroom: int,
-    residency: Callable[[Path], tuple[bytearray, int]] = resident_pages,
+    residency: Callable[[Path], tuple[bytearray, int]] | None = None,
 ) -> Plan:
     """The chunks to read: each one with a page not yet resident, in file order, until the
     budget (available - headroom) is spent."""
+    residency = residency or resident_pages  # looked up now: tests record the real one
     budget = max(0, available - headroom)
     chunks: list[Chunk] = []
     total = resident = planned = left_out = 0

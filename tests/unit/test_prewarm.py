@@ -37,6 +37,38 @@ def _read(path: Path, offset: int, length: int) -> None:
         os.close(fd)
 
 
+# The kernel may reclaim a clean page at any moment (a neighbour's memory pressure, a memory
+# cgroup at its limit): a page read is resident only until then. So the tests below hold the
+# code to the residency mincore gave it, and claim of a read only that it reached the page
+# cache, never that it is still all there later.
+
+
+def _recorded_residency(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[Path, bytearray, int]]:
+    seen: list[tuple[Path, bytearray, int]] = []
+    real = prewarm.resident_pages
+
+    def recording(path: str | os.PathLike[str]) -> tuple[bytearray, int]:
+        pages, size = real(path)
+        seen.append((Path(path), pages, size))
+        return pages, size
+
+    monkeypatch.setattr(prewarm, "resident_pages", recording)
+    return seen
+
+
+def _cold_bytes(seen: list[tuple[Path, bytearray, int]]) -> int:
+    """What a plan over these residencies reads: each chunk with a page missing."""
+    per_chunk = prewarm.CHUNK // prewarm.PAGE
+    return sum(
+        min(prewarm.CHUNK, size - offset)
+        for _, pages, size in seen
+        for offset in range(0, size, prewarm.CHUNK)
+        if 0 in pages[offset // prewarm.PAGE : offset // prewarm.PAGE + per_chunk]
+    )
+
+
 def _evicted_or_skip(path: Path) -> None:
     # A file system without a page cache of its own (or one that ignores DONTNEED) cannot
     # show the difference.
@@ -51,8 +83,9 @@ def test_mincore_sees_what_was_read(tmp_path: Path) -> None:
     pages, size = prewarm.resident_pages(f)
     assert size == 32 * MIB and len(pages) == size // prewarm.PAGE
     at = (16 * MIB) // prewarm.PAGE
-    assert all(pages[at : at + (8 * MIB) // prewarm.PAGE])  # what was read is resident
-    assert not any(pages[: (8 * MIB) // prewarm.PAGE])  # the start was never touched
+    assert any(pages[at : at + (8 * MIB) // prewarm.PAGE])  # what was read reached the cache
+    assert not any(pages[: 16 * MIB // prewarm.PAGE])  # nothing before it was touched
+    assert not any(pages[at + (8 * MIB) // prewarm.PAGE :])  # nor after it
 
 
 def test_the_plan_skips_resident_chunks(tmp_path: Path) -> None:
@@ -121,7 +154,7 @@ def test_readers_read_the_plan_into_the_page_cache(tmp_path: Path) -> None:
     for w in workers:
         w.join(60)
     assert progress.read == 3 * 24 * MIB and progress.stopped is None
-    assert all(prewarm.resident_bytes(f) == 24 * MIB for f in files)
+    assert all(prewarm.resident_bytes(f) > 0 for f in files)  # buffered reads: in the cache
 
 
 def test_readers_stop_when_memory_runs_short(tmp_path: Path) -> None:
@@ -177,11 +210,14 @@ def _to(old: State, new: State) -> Transitioned:
     return Transitioned(old, new, "test")
 
 
-async def test_a_round_reports_caches_and_prewarm_and_skips_resident_files(tmp_path: Path) -> None:
+async def test_a_round_reports_caches_and_prewarm_and_skips_resident_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "model").mkdir()
     files = [_cold_file(tmp_path / "model" / f"m-{i}.safetensors", 16 * MIB) for i in range(2)]
     _evicted_or_skip(files[0])
     files[1].read_bytes()  # one file already resident
+    seen = _recorded_residency(monkeypatch)
     tasks: list[asyncio.Task[Any]] = []
     loop = asyncio.get_running_loop()
     warm = Warm(_cfg(tmp_path, "auto"), loop.time, lambda c: tasks.append(loop.create_task(c)))
@@ -194,8 +230,10 @@ async def test_a_round_reports_caches_and_prewarm_and_skips_resident_files(tmp_p
     assert set(doc["caches"]) >= {"deepgemm", "inductor", "triton", "flashinfer", "cuda"}
     assert doc["caches"]["triton"]["existed"] is False and doc["caches"]["triton"]["bytes"] == 0
     pre = doc["prewarm"]
-    assert pre["resident_before"] >= 16 * MIB
-    assert pre["bytes"] == 16 * MIB  # only the cold file was read
+    assert [p.name for p, _, _ in seen] == ["m-0.safetensors", "m-1.safetensors"]
+    assert pre["resident_before"] == sum(pages.count(1) for _, pages, _ in seen) * prewarm.PAGE
+    assert pre["bytes"] == _cold_bytes(seen)  # only what was not resident was read
+    assert not any(seen[0][1]) and pre["bytes"] >= 16 * MIB  # all of the cold file
     assert pre["done"] and pre["stopped"] is None
     assert warm.note().startswith("prewarm 0.0/0.0 GiB in")
 
@@ -206,9 +244,12 @@ async def test_a_round_reports_caches_and_prewarm_and_skips_resident_files(tmp_p
     assert again is not None and again is not report
     warm.transitioned(_to(State.RESTARTING, State.CLEANING), "primary")
     assert warm.current() == again  # the same round goes on through the cleaning
+    seen.clear()
     await asyncio.wait_for(warm.done.wait(), 60)
-    assert again()["prewarm"]["bytes"] == 0
-    assert again()["prewarm"]["resident_before"] == 32 * MIB
+    # Nothing read unless the kernel reclaimed some of it meanwhile (then only that).
+    assert again()["prewarm"]["bytes"] == _cold_bytes(seen)
+    resident = sum(pages.count(1) for _, pages, _ in seen) * prewarm.PAGE
+    assert again()["prewarm"]["resident_before"] == resident > 0
 
 
 async def test_prewarm_off_still_reports_the_caches(tmp_path: Path) -> None:
