@@ -135,10 +135,32 @@ class Golden:
         )
 
 
+def _owner(directory: Path) -> tuple[int, int] | None:
+    """Whose a new file in `directory` must be: when root writes (`sudo kimi-serve canary
+    accept`) into the service user's directory, the daemon, running as that user, must still
+    read and replace what root wrote; a root-owned 0600 golden would read as none."""
+    if os.geteuid() != 0:
+        return None
+    st = os.stat(directory)
+    return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
+
+
+def _make_dir(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = _owner(directory.parent)  # root made it in the state directory: the daemon's
+    if owner is not None:
+        os.chown(directory, *owner)
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _make_dir(path.parent)
+    owner = _owner(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
             f.flush()
