@@ -43,6 +43,21 @@ class Backend:
                 "error": f"HTTP 500: {SGLANG_LINE}",
             },
             "gpus": [{"index": 0, "uuid": "GPU-0", "memory_used_bytes": 1, "processes": []}],
+            "router": {
+                "url": "http://router:30000",
+                "worker_url": "http://10.0.0.1:30000",
+                "registered": False,
+                "worker_id": None,
+                "last_error": f"register: POST /workers answered HTTP 502: {SGLANG_LINE}",
+            },
+            "quality": {
+                "degraded": [],
+                "evidence": {
+                    "overlap": f"[2026-12-01 10:00:00] overlap scheduler on; {SGLANG_LINE}",
+                    "decode_batches_judged": 3,
+                    "graphs_expected": True,
+                },
+            },
             "events": [
                 {
                     "at": 1.0,

@@ -54,6 +54,7 @@ from supervisor.admin.redact import CANARY_TEXT_KEYS as CANARY_TEXT_KEYS
 from supervisor.admin.redact import CLEAN_TEXT_KEYS as CLEAN_TEXT_KEYS
 from supervisor.admin.redact import PROCESS_KEYS as PROCESS_KEYS
 from supervisor.admin.redact import SGLANG_TEXT_KEYS as SGLANG_TEXT_KEYS
+from supervisor.admin.redact import WITHHELD as WITHHELD
 from supervisor.admin.redact import program_name as program_name
 from supervisor.admin.redact import redact as redact
 

@@ -22,6 +22,7 @@ from supervisor import secret_files as admin_token
 from supervisor.admin.redact import (
     CANARY_TEXT_KEYS,
     CLEAN_TEXT_KEYS,
+    EVIDENCE_KEY,
     PROCESS_KEYS,
     SGLANG_TEXT_KEYS,
     redact,
@@ -258,7 +259,11 @@ def build_app(
         if not request[AUTHENTICATED]:
             doc = redact(doc)
             doc["redacted"] = sorted(
-                SGLANG_TEXT_KEYS | PROCESS_KEYS | CLEAN_TEXT_KEYS | CANARY_TEXT_KEYS
+                SGLANG_TEXT_KEYS
+                | PROCESS_KEYS
+                | CLEAN_TEXT_KEYS
+                | CANARY_TEXT_KEYS
+                | {EVIDENCE_KEY}
             )
         return web.json_response(doc, dumps=_dumps)
 

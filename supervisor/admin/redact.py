@@ -7,10 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 # Keys whose values are text SGLang printed, or may quote it: a fatal log line in `detail`,
-# an HTTP error body in a probe's `error`, the log tail. Left out of /status without a token.
-SGLANG_TEXT_KEYS = frozenset(
-    {"log_tail", "detail", "error", "last_error", "status_line", "text", "stacks", "traceback"}
-)
+# an HTTP error body in a probe's `error`, the log tail. Left out of /status without a token:
+# the bulk ones (log tail, stacks) whole; the one-line ones keep their key, so that a client
+# sees there is an error (`last_probe.error`, `router.last_error` are the contract's fields),
+# with WITHHELD for the text (null stays null).
+SGLANG_BULK_KEYS = frozenset({"log_tail", "stacks", "traceback"})
+SGLANG_LINE_KEYS = frozenset({"detail", "error", "last_error", "status_line", "text"})
+SGLANG_TEXT_KEYS = SGLANG_BULK_KEYS | SGLANG_LINE_KEYS
+WITHHELD = "<withheld: the admin token shows it>"
+# /status.quality.evidence: SGLang's own start-up lines that showed the overlap scheduler, the
+# spec v2 path, a graph capture (quality.STARTUP_EVIDENCE); its counts stay.
+EVIDENCE_KEY = "evidence"
 
 # A process's details beyond pid, program name and whether it is ours: left out of /status
 # without a token (the reason may name the user: "runs as alice, not the daemon's uid").
@@ -25,7 +32,14 @@ def redact(doc: Any) -> Any:
     with every process on the GPUs as pid, program name and ours-or-foreign only (see
     PROCESS_KEYS): a foreign process's command line and user are someone else's business."""
     if isinstance(doc, dict):
-        out = {k: redact(v) for k, v in doc.items() if k not in SGLANG_TEXT_KEYS}
+        out = {
+            k: (None if v is None else WITHHELD) if k in SGLANG_LINE_KEYS else redact(v)
+            for k, v in doc.items()
+            if k not in SGLANG_BULK_KEYS
+        }
+        ev = out.get(EVIDENCE_KEY)
+        if isinstance(ev, dict):
+            out[EVIDENCE_KEY] = {k: WITHHELD if isinstance(v, str) else v for k, v in ev.items()}
         if "cmdline" in doc:
             out = {k: v for k, v in out.items() if k not in PROCESS_KEYS}
             out["name"] = program_name(str(doc.get("cmdline") or ""))

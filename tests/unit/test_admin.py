@@ -316,12 +316,31 @@ async def test_status_without_a_token_leaves_out_what_sglang_printed(ep: Endpoin
     doc = r.json()
     assert doc["state"] == "restarting" and doc["restarts"] == {"fatal_log": 1}
     assert doc["last_restart"]["reason"] == "fatal_log" and "log_tail" not in doc["last_restart"]
-    assert doc["last_probe"] == {"ok": False, "latency_s": 0.5, "reason": "http_status"}
+    # The contract's fields stay, so a client sees there is an error; their text does not.
+    assert doc["last_probe"] == {
+        "ok": False,
+        "latency_s": 0.5,
+        "reason": "http_status",
+        "error": admin.WITHHELD,
+    }
+    assert doc["router"]["last_error"] == admin.WITHHELD and doc["router"]["registered"] is False
     assert doc["gpus"] == ep.backend.status_document()["gpus"]
     assert doc["events"] == [
-        {"at": 1.0, "from": "ready", "to": "restarting", "reason": "fatal_log"}
+        {
+            "at": 1.0,
+            "from": "ready",
+            "to": "restarting",
+            "reason": "fatal_log",
+            "detail": admin.WITHHELD,
+        }
     ]
-    assert "log_tail" in doc["redacted"]
+    # SGLang's start-up lines that showed its paths: withheld; what was counted stays.
+    assert doc["quality"]["evidence"] == {
+        "overlap": admin.WITHHELD,
+        "decode_batches_judged": 3,
+        "graphs_expected": True,
+    }
+    assert {"log_tail", "error", "last_error", "evidence"} <= set(doc["redacted"])
 
 
 async def test_status_with_the_token_is_whole(ep: Endpoint) -> None:
