@@ -12,8 +12,9 @@ EX_NOTHING = EX_FAIL
 # `status`: the daemon answered and is not ready; the daemon could not be reached.
 EX_NOT_READY = 3
 EX_UNREACHABLE = 4
-# `status`, `restart`, `drain`, `undrain`: the admin address is held by a socket of another user
-# (not root, this user or the service user): nothing was sent to it and its answer is not trusted.
+# `restart`, `drain`, `undrain`: the admin address is held by a socket of another user (not
+# root, this user or the service user): nothing was sent to it and its answer is not trusted.
+# (`status` says EX_UNREACHABLE then: its statuses are the contract's 0 / 3 / 4.)
 EX_NOT_SERVICE = 5
 # restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
 # EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in

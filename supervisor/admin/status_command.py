@@ -9,7 +9,7 @@ import time
 from typing import Any, TextIO
 
 from supervisor.admin import client as adminclient
-from supervisor.exits import EX_NOT_READY, EX_NOT_SERVICE, EX_READY, EX_UNREACHABLE
+from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
 
 TAIL_SHOWN = 25
 
@@ -230,8 +230,10 @@ def run_status_command(
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
     except adminclient.NotTheService as exc:
+        # The contract's `status` knows 0 / 3 / 4: the daemon is not what answers there, so it
+        # is not reachable; the line says who holds the address instead.
         print(f"kimi-serve status: {exc}", file=err)
-        return EX_NOT_SERVICE
+        return EX_UNREACHABLE
     except (adminclient.Unreachable, ValueError) as exc:
         print(
             f"kimi-serve status: cannot reach the daemon at {base} ({exc}); "
