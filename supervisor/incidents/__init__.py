@@ -25,13 +25,14 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from supervisor import __version__
+from supervisor import __version__, untrusted
 from supervisor.config import IncidentsConfig
 from supervisor.incidents.stacks import Capture, innermost, parse, render
 from supervisor.sglang.logscan import exception_line
@@ -47,6 +48,10 @@ _NAME = re.compile(r"^(\d{8}T\d{6}Z)-([a-z_]+)-launch(\d+)(?:-(\d+))?$")
 _JSON_MAX = 256 * 2**10
 _SERVER_INFO_MAX = 64 * 2**10
 _LOG_TAIL_MAX = 2**20
+# What `kimi-serve incidents` (root, often) reads of a directory the service user can write:
+# only regular files, not through a link, at most this much (docs/incidents.md).
+_READ_JSON_MAX = 4 * _JSON_MAX
+_READ_STACKS_MAX = 16 * 2**20
 
 CRASH_DUMP_NOTE = (
     "SGLang's crash dump (--crash-dump-folder) is a pickle of the requests of the last minutes "
@@ -343,7 +348,9 @@ class IncidentStore:
         return [p for _, _, p in found]
 
     def load(self, path: Path) -> dict[str, Any]:
-        doc = json.loads((path / INCIDENT_JSON).read_text())
+        """incident.json, or ValueError/OSError saying why not (never another exception: the
+        file is the service user's to write, and root's CLI reads it)."""
+        doc = untrusted.loads(read_record(path / INCIDENT_JSON, _READ_JSON_MAX))
         if not isinstance(doc, dict):
             raise ValueError("incident.json is not a JSON object")
         return doc
@@ -364,6 +371,24 @@ class IncidentStore:
         return [p for p in self.entries() if p.name.startswith(ident)]
 
 
+def read_record(path: Path, limit: int) -> bytes:
+    """A file of an incident directory as its reader may trust it: a regular file, not a link
+    (O_NOFOLLOW), never waiting on a FIFO (O_NONBLOCK), and no more than `limit` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path.name} is {st.st_size} bytes, more than {limit} read")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{path.name} is more than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -372,8 +397,13 @@ def _free_bytes(path: Path) -> int:
 # ----------------------------------------------------------------------------- the command
 
 
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
 def _summary_row(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    stacks = doc.get("stacks") or {}
+    stacks = doc.get("stacks")
+    stacks = stacks if isinstance(stacks, dict) else {}
     return {
         "id": path.name,
         "path": str(path),
@@ -412,7 +442,7 @@ def run_list(store: IncidentStore, as_json: bool, out: TextIO, err: TextIO) -> i
             continue
         how = f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}"
         stacks = "stacks" if r["stacks"] else "no stacks"
-        what = r.get("exception") or r.get("detail") or ""
+        what = _text(r.get("exception")) or _text(r.get("detail"))
         print(f"  {r['id']}  {how:<10} {stacks:<9}  {what[:100]}", file=out)
     print("details: kimi-serve incidents show ID", file=out)
     return 0
@@ -491,7 +521,17 @@ def run_show(store: IncidentStore, ident: str, as_json: bool, out: TextIO, err: 
         out.write("\n")
         return 0
     stacks_text = None
-    with contextlib.suppress(OSError):
-        stacks_text = (path / STACKS).read_text(errors="replace")
-    print(render_show(path, doc, stacks_text), file=out)
+    with contextlib.suppress(OSError, ValueError):
+        stacks_text = read_record(path / STACKS, _READ_STACKS_MAX).decode(errors="replace")
+    try:
+        shown = render_show(path, doc, stacks_text)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        # Fields of the wrong type: not written by kimi-serve. Say so; `--json` shows it raw.
+        print(
+            f"kimi-serve incidents show: {path / INCIDENT_JSON}: malformed "
+            f"({type(exc).__name__}: {exc}); see it with --json",
+            file=err,
+        )
+        return 1
+    print(shown, file=out)
     return 0

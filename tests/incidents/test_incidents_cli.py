@@ -16,7 +16,7 @@ import pytest
 from supervisor import cli
 from supervisor.admin import status_command as status
 from supervisor.incidents import Incident, IncidentStore
-from supervisor.incidents.stacks import capture
+from supervisor.incidents.stacks import capture, innermost, parse
 from testkit.incidents import TRACEBACK, Clock, Spawn, cfg, incident
 
 KIMI_SERVE = Path(sys.executable).with_name("kimi-serve")
@@ -202,3 +202,84 @@ def test_show_into_a_closed_pipe_exits_0_quietly(four: tuple[Path, list[str]]) -
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+# ------------------------------------------------------- records the service user may have written
+
+
+@pytest.mark.parametrize(
+    ("name", "how"),
+    [
+        ("deep", "nested"),  # 16,000 `[`: RecursionError in json.loads
+        ("stacks-list", "stacks: []"),
+        ("exception-int", "exception: 5"),
+        ("huge", "8 MiB of JSON"),
+        ("link", "a link to another file"),
+        ("fifo", "a FIFO"),
+    ],
+)
+def test_a_hostile_record_is_one_unreadable_row_and_never_stops_the_listing(
+    four: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str], name: str, how: str
+) -> None:
+    config, names = four
+    target = config.parent / "incidents" / names[1] / "incident.json"
+    doc = json.loads(target.read_text())
+    target.unlink()
+    if how == "nested":
+        target.write_text("[" * 16_000)
+    elif how == "stacks: []":
+        target.write_text(json.dumps({**doc, "stacks": []}))
+    elif how == "exception: 5":
+        target.write_text(json.dumps({**doc, "exception": 5, "detail": {"x": 1}}))
+    elif how == "8 MiB of JSON":
+        target.write_text(json.dumps({**doc, "detail": "x" * (8 << 20)}))
+    elif how == "a link to another file":
+        secret = config.parent / "root-only.json"
+        secret.write_text(json.dumps({**doc, "detail": "from a file root alone may read"}))
+        target.symlink_to(secret)
+    else:
+        os.mkfifo(target)  # `is_file()` is false for it: the incident is not listed at all
+    assert cli.main(["incidents", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in names if n != names[1] or how != "a FIFO")
+    assert "from a file root alone may read" not in out
+    assert cli.main(["incidents", "--json", "--config", str(config)]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert all(rows[n].get("error") is None for n in names if n != names[1])
+    if how in ("nested", "8 MiB of JSON", "a link to another file"):
+        assert rows[names[1]]["error"].startswith("unreadable: ")
+    elif how != "a FIFO":
+        assert rows[names[1]]["stacks"] is False or how == "exception: 5"
+    # `show` of it: a line saying what is wrong, exit 1, or the incident; never a traceback.
+    code = cli.main(["incidents", "show", names[1], "--config", str(config)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    assert "from a file root alone may read" not in captured.out
+    if how in ("stacks: []", "exception: 5"):
+        assert code == 0 and f"Incident {names[1]}" in captured.out
+    else:
+        assert code == 1 and captured.err.count("\n") >= 1
+
+
+def test_show_reads_no_stacks_through_a_link(
+    four: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, names = four
+    d = config.parent / "incidents" / names[0]
+    doc = json.loads((d / "incident.json").read_text())
+    doc["stacks"] = {"taken": True, "seconds": 0.1}
+    (d / "incident.json").write_text(json.dumps(doc))
+    secret = config.parent / "shadow"
+    secret.write_text(
+        '=== pid 7: sglang::scheduler ===\nThread 7 (active): "MainThread"\n'
+        "    secret-line (x.py:1)\n"
+    )
+    (d / "stacks.txt").unlink(missing_ok=True)
+    (d / "stacks.txt").symlink_to(secret)
+    # Through a link: shown as a plain file would be (the check on the check).
+    (d / "plain").write_text(secret.read_text())
+    assert "secret-line" in "\n".join(
+        line for dump in parse((d / "plain").read_text()) for line in innermost(dump)
+    )
+    assert cli.main(["incidents", "show", names[0], "--config", str(config)]) == 0
+    assert "secret-line" not in capsys.readouterr().out
