@@ -11,6 +11,8 @@ a task ends with an exception (daemon._task_done). So every untrusted JSON goes 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
 
 import httpx
@@ -27,6 +29,34 @@ def loads(body: bytes | str) -> Any:
     except (ValueError, RecursionError, TypeError, MemoryError) as exc:
         what = "nested too deep" if isinstance(exc, RecursionError) else type(exc).__name__
         raise BadAnswer(f"not JSON ({what})") from None
+
+
+def read_file(name: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:
+    """A file another user may have planted, read as far as it may be trusted: a regular file,
+    not through a link (O_NOFOLLOW: the last part of the name; open its directory the same way,
+    `open_dir`, and pass `dir_fd`), never waiting on a FIFO (O_NONBLOCK), at most `limit` bytes.
+    OSError, or BadAnswer (a ValueError) saying why not."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        base = os.path.basename(os.fspath(name))
+        if not stat.S_ISREG(st.st_mode):
+            raise BadAnswer(f"{base} is not a regular file")
+        if st.st_size > limit:
+            raise BadAnswer(f"{base} is {st.st_size} bytes, more than {limit} read")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise BadAnswer(f"{base} is more than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def open_dir(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+    """A directory's descriptor, not through a link in its last part: what is then opened,
+    created or renamed relative to it stays in that directory even if its name is swapped."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
 async def read_capped(response: httpx.Response, limit: int) -> bytes:

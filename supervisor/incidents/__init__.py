@@ -25,7 +25,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -372,21 +371,13 @@ class IncidentStore:
 
 
 def read_record(path: Path, limit: int) -> bytes:
-    """A file of an incident directory as its reader may trust it: a regular file, not a link
-    (O_NOFOLLOW), never waiting on a FIFO (O_NONBLOCK), and no more than `limit` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A file of an incident directory as its reader may trust it: the incident directory not
+    through a link, the file a regular one, not a link, not a FIFO, at most `limit` bytes."""
+    dfd = untrusted.open_dir(path.parent)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path.name} is not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{path.name} is {st.st_size} bytes, more than {limit} read")
-        data = os.read(fd, limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"{path.name} is more than {limit} bytes")
-        return data
+        return untrusted.read_file(path.name, limit, dir_fd=dfd)
     finally:
-        os.close(fd)
+        os.close(dfd)
 
 
 def _free_bytes(path: Path) -> int:

@@ -22,13 +22,15 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import secrets
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import untrusted
 from supervisor.quality import Answer
 
 SMALL_FILE_BYTES = 16 << 20
@@ -135,49 +137,65 @@ class Golden:
         )
 
 
-def _owner(directory: Path) -> tuple[int, int] | None:
-    """Whose a new file in `directory` must be: when root writes (`sudo kimi-serve canary
-    accept`) into the service user's directory, the daemon, running as that user, must still
-    read and replace what root wrote; a root-owned 0600 golden would read as none."""
-    if os.geteuid() != 0:
-        return None
-    st = os.stat(directory)
-    return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
+# A golden's key names its file: only what golden_key makes (a key in last.json is the service
+# user's to write, and root's `canary accept` writes the golden it names).
+_KEY = re.compile(r"^[0-9a-f]{32}$")
+_READ_MAX = 4 * 2**20  # a golden holds one short answer; anything larger is not one
+_GOLDEN = re.compile(r"^golden-[0-9a-f]{32}\.json$")
 
 
-def _make_dir(directory: Path) -> None:
-    if directory.is_dir():
-        return
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    owner = _owner(directory.parent)  # root made it in the state directory: the daemon's
-    if owner is not None:
-        os.chown(directory, *owner)
+def _open_dir(directory: Path, create: bool) -> int:
+    """The store's directory, not through a link. Made only by its owner-to-be: the daemon
+    makes it in its own state directory; root's CLI never makes one in the service user's."""
+    if create and not directory.is_dir():
+        existing = next((p for p in directory.parents if p.is_dir()), Path("/"))
+        if existing.stat().st_uid == os.geteuid():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return untrusted.open_dir(directory)
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    _make_dir(path.parent)
-    owner = _owner(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
+    """Write `name` in `directory` in one step (temporary file, fsync, rename), all relative to
+    the directory's descriptor: a name swapped meanwhile cannot redirect it. When root writes
+    into another user's directory (`sudo kimi-serve canary accept` in the service user's), the
+    file is that user's: the daemon must read and replace it (a root-owned 0600 golden reads
+    as none)."""
+    dfd = _open_dir(directory, create=True)
     try:
-        if owner is not None:
-            os.fchown(fd, *owner)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        st = os.fstat(dfd)
+        owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
+        tmp = f".tmp-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+        try:
+            if owner is not None:
+                os.fchown(fd, *owner)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
-def _read_json(path: Path) -> object:
+def _read_json(directory: Path, name: str) -> object:
+    """The document, or None for anything that is not one: no file, a link, a FIFO, more than
+    _READ_MAX, not JSON (any depth)."""
     try:
-        with path.open() as f:
-            return json.load(f)
-    except (OSError, ValueError, RecursionError):
+        dfd = untrusted.open_dir(directory)
+    except OSError:
         return None
+    try:
+        return untrusted.loads(untrusted.read_file(name, _READ_MAX, dir_fd=dfd))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(dfd)
 
 
 class CanaryStore:
@@ -187,22 +205,24 @@ class CanaryStore:
     def __init__(self, directory: str) -> None:
         self.dir = Path(directory)
 
-    def _golden_path(self, key: str) -> Path:
-        return self.dir / f"golden-{key}.json"
-
     def golden(self, key: str) -> Golden | None:
-        g = Golden.from_json(_read_json(self._golden_path(key)))
+        if not _KEY.match(key):
+            return None
+        g = Golden.from_json(_read_json(self.dir, f"golden-{key}.json"))
         return g if g is not None and g.key == key else None
 
     def save_golden(self, golden: Golden) -> None:
-        _write_json(self._golden_path(golden.key), golden.to_json())
+        if not _KEY.match(golden.key):
+            raise ValueError(f"not a golden key: {golden.key!r}")
+        _write_json(self.dir, f"golden-{golden.key}.json", golden.to_json())
 
     def save_last(self, golden: Golden) -> None:
         """The last received answer, as the golden it would be if accepted."""
-        _write_json(self.dir / "last.json", golden.to_json())
+        _write_json(self.dir, "last.json", golden.to_json())
 
     def last(self) -> Golden | None:
-        return Golden.from_json(_read_json(self.dir / "last.json"))
+        g = Golden.from_json(_read_json(self.dir, "last.json"))
+        return g if g is not None and _KEY.match(g.key) else None
 
     def accept(self) -> Golden | None:
         """`canary accept`: the last received answer becomes the golden for its key."""
@@ -213,17 +233,37 @@ class CanaryStore:
         self.save_golden(accepted)
         return accepted
 
+    def _names(self) -> list[str]:
+        try:
+            dfd = untrusted.open_dir(self.dir)
+        except OSError:
+            return []
+        try:
+            return sorted(n for n in os.listdir(dfd) if _GOLDEN.match(n))
+        finally:
+            os.close(dfd)
+
     def forget(self) -> list[str]:
         """`canary forget`: every golden is removed (the next verified launch learns anew)."""
         removed: list[str] = []
-        for p in sorted(self.dir.glob("golden-*.json")):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-                removed.append(p.name)
+        try:
+            dfd = untrusted.open_dir(self.dir)
+        except FileNotFoundError:
+            return removed
+        try:
+            for name in sorted(os.listdir(dfd)):
+                if name.startswith("golden-") and name.endswith(".json"):
+                    try:
+                        os.unlink(name, dir_fd=dfd)
+                    except OSError:
+                        continue  # gone meanwhile, or not a file: not a golden of ours
+                    removed.append(name)
+        finally:
+            os.close(dfd)
         return removed
 
     def goldens(self) -> list[Golden]:
-        out = [Golden.from_json(_read_json(p)) for p in sorted(self.dir.glob("golden-*.json"))]
+        out = [Golden.from_json(_read_json(self.dir, n)) for n in self._names()]
         return [g for g in out if g is not None]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,7 +216,8 @@ def test_show_into_a_closed_pipe_exits_0_quietly(four: tuple[Path, list[str]]) -
         ("exception-int", "exception: 5"),
         ("huge", "8 MiB of JSON"),
         ("link", "a link to another file"),
-        ("fifo", "a FIFO"),
+        ("dir-link", "the incident directory a link"),
+        ("fifo", "stacks.txt a FIFO"),
     ],
 )
 def test_a_hostile_record_is_one_unreadable_row_and_never_stops_the_listing(
@@ -225,6 +227,8 @@ def test_a_hostile_record_is_one_unreadable_row_and_never_stops_the_listing(
     target = config.parent / "incidents" / names[1] / "incident.json"
     doc = json.loads(target.read_text())
     target.unlink()
+    secret = config.parent / "root-only.json"
+    secret.write_text(json.dumps({**doc, "detail": "from a file root alone may read"}))
     if how == "nested":
         target.write_text("[" * 16_000)
     elif how == "stacks: []":
@@ -234,28 +238,41 @@ def test_a_hostile_record_is_one_unreadable_row_and_never_stops_the_listing(
     elif how == "8 MiB of JSON":
         target.write_text(json.dumps({**doc, "detail": "x" * (8 << 20)}))
     elif how == "a link to another file":
-        secret = config.parent / "root-only.json"
-        secret.write_text(json.dumps({**doc, "detail": "from a file root alone may read"}))
         target.symlink_to(secret)
+    elif how == "the incident directory a link":
+        elsewhere = config.parent / "root-only"
+        elsewhere.mkdir()
+        (elsewhere / "incident.json").write_text(secret.read_text())
+        shutil.rmtree(target.parent)
+        target.parent.symlink_to(elsewhere)
     else:
-        os.mkfifo(target)  # `is_file()` is false for it: the incident is not listed at all
+        # Stacks said taken; a read of stacks.txt that waited for a writer would never end.
+        target.write_text(json.dumps({**doc, "stacks": {"taken": True, "seconds": 0.1}}))
+        (target.parent / "stacks.txt").unlink(missing_ok=True)
+        os.mkfifo(target.parent / "stacks.txt")
     assert cli.main(["incidents", "--config", str(config)]) == 0
     out = capsys.readouterr().out
-    assert all(n in out for n in names if n != names[1] or how != "a FIFO")
+    assert all(n in out for n in names)
     assert "from a file root alone may read" not in out
     assert cli.main(["incidents", "--json", "--config", str(config)]) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
     assert all(rows[n].get("error") is None for n in names if n != names[1])
-    if how in ("nested", "8 MiB of JSON", "a link to another file"):
+    if how in (
+        "nested",
+        "8 MiB of JSON",
+        "a link to another file",
+        "the incident directory a link",
+    ):
         assert rows[names[1]]["error"].startswith("unreadable: ")
-    elif how != "a FIFO":
-        assert rows[names[1]]["stacks"] is False or how == "exception: 5"
+    else:
+        assert rows[names[1]].get("error") is None
+        assert rows[names[1]]["stacks"] is (how == "stacks.txt a FIFO")
     # `show` of it: a line saying what is wrong, exit 1, or the incident; never a traceback.
     code = cli.main(["incidents", "show", names[1], "--config", str(config)])
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err + captured.out
     assert "from a file root alone may read" not in captured.out
-    if how in ("stacks: []", "exception: 5"):
+    if how in ("stacks: []", "exception: 5", "stacks.txt a FIFO"):
         assert code == 0 and f"Incident {names[1]}" in captured.out
     else:
         assert code == 1 and captured.err.count("\n") >= 1

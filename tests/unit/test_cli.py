@@ -344,7 +344,7 @@ def test_canary_command_show_accept_forget(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from supervisor.quality import Answer
-    from supervisor.quality.golden import CanaryStore, Golden
+    from supervisor.quality.golden import CanaryStore, Golden, golden_key
 
     cfg = tmp_path / "k.yaml"
     cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n")
@@ -354,14 +354,15 @@ def test_canary_command_show_accept_forget(
     assert "no canary answer received" in capsys.readouterr().err
     store = CanaryStore(str(tmp_path / "state" / "canary"))
     answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
-    store.save_last(Golden("k1", answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
+    key = golden_key("id", "0.5.23", "p", 16)
+    store.save_last(Golden(key, answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
     assert cli.main(["canary", "accept", "--config", str(cfg)]) == 0
     assert "accepted ' hi there'" in capsys.readouterr().out
     assert cli.main(["canary", "show", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert "golden k1 (accepted" in out and "1 of 2 tokens compared" in out
+    assert f"golden {key} (accepted" in out and "1 of 2 tokens compared" in out
     assert cli.main(["canary", "show", "--json", "--config", str(cfg)]) == 0
-    assert json.loads(capsys.readouterr().out)["goldens"][0]["key"] == "k1"
+    assert json.loads(capsys.readouterr().out)["goldens"][0]["key"] == key
     assert cli.main(["canary", "forget", "--config", str(cfg)]) == 0
     assert "forgot 1 golden" in capsys.readouterr().out
     assert store.goldens() == []

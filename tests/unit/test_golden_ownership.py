@@ -1,5 +1,7 @@
-"""`sudo kimi-serve canary accept` writes into the service user's state directory: what root
-writes there must stay the daemon's to read and replace (a real second user; root only)."""
+"""`sudo kimi-serve canary accept|show|forget` work in the service user's state directory: what
+root writes there stays the daemon's to read and replace, and nothing the service user plants
+there (a key naming another path, a link, a FIFO) makes root write, read or wait elsewhere.
+A real second user; root only."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import pytest
 
 from supervisor import cli
 from supervisor.quality import Answer
-from supervisor.quality.golden import CanaryStore, Golden
+from supervisor.quality.golden import CanaryStore, Golden, golden_key
 from testkit.gpu import SYSTEM_PYTHON
 from testkit.users import system_user
 
 SERVICE_USER = "kimi-serve-test"
+KEY = golden_key("id", "0.5.23", "p", 16)
 
 # What the daemon needs of a golden, as the service user: to read it (json), and to replace it.
 # Run by an interpreter the other user can run (the suite's may live under root's home).
@@ -64,14 +67,30 @@ def _as_daemon(uid: int, gid: int, golden: Path) -> str:
     return done.stdout
 
 
-def _received(uid: int, gid: int, canary: Path) -> None:
-    """The daemon's last received answer, as the daemon leaves it: its directory, its file."""
-    answer = Answer(" Paris", (5, 6), (4.0, 0.5), (7, 8))
-    CanaryStore(str(canary)).save_last(
-        Golden("k1", answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received")
-    )
+def _received(uid: int, gid: int, canary: Path, key: str = KEY) -> None:
+    """The daemon's last received answer, as the daemon leaves it: its directory, its file.
+    (`key` as the service user may have written it: last.json is its file.)"""
+    canary.mkdir(mode=0o700)
+    doc = Golden(
+        KEY,
+        Answer(" Paris", (5, 6), (4.0, 0.5), (7, 8)),
+        "/m",
+        "id",
+        "0.5.23",
+        "p",
+        16,
+        1.0,
+        "received",
+    ).to_json()
+    (canary / "last.json").write_text(json.dumps({**doc, "key": key}))
     for p in (canary, canary / "last.json"):
         os.chown(p, uid, gid)
+
+
+def _config(state: Path) -> str:
+    cfg = state.parent / "k.yaml"
+    cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {state}\n")
+    return str(cfg)
 
 
 def test_a_golden_root_accepts_is_the_daemons_to_read(
@@ -80,24 +99,71 @@ def test_a_golden_root_accepts_is_the_daemons_to_read(
     uid, gid, state = service
     canary = state / "canary"
     _received(uid, gid, canary)
-    cfg = state.parent / "k.yaml"
-    cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {state}\n")
-    assert cli.main(["canary", "accept", "--config", str(cfg)]) == 0  # as root
+    assert cli.main(["canary", "accept", "--config", _config(state)]) == 0  # as root
     assert "accepted ' Paris'" in capsys.readouterr().out
-    golden = canary / "golden-k1.json"
+    golden = canary / f"golden-{KEY}.json"
     st = golden.stat()
     assert (st.st_uid, st.st_gid) == (uid, gid) and st.st_mode & 0o077 == 0
     # The daemon holds its canary to the accepted golden, and can still replace it.
     assert json.loads(_as_daemon(uid, gid, golden)) == "accepted"
+    assert [g.how for g in CanaryStore(str(canary)).goldens()] == ["accepted"]
 
 
-def test_a_canary_directory_root_makes_is_the_service_users(
+def test_root_makes_no_directory_in_the_service_users_state(
     service: tuple[int, int, Path],
 ) -> None:
-    uid, gid, state = service
+    _, _, state = service
     store = CanaryStore(str(state / "canary"))
     answer = Answer(" Paris", (5,), (1.0,), (7,))
-    store.save_golden(Golden("k1", answer, "/m", "id", "0.5.23", "p", 16, 1.0, "accepted"))
-    st = (state / "canary").stat()
-    assert (st.st_uid, st.st_gid) == (uid, gid)
-    assert json.loads(_as_daemon(uid, gid, state / "canary" / "golden-k1.json")) == "accepted"
+    with pytest.raises(FileNotFoundError):
+        store.save_golden(Golden(KEY, answer, "/m", "id", "0.5.23", "p", 16, 1.0, "accepted"))
+    assert not (state / "canary").exists()
+
+
+def test_a_key_naming_another_path_is_not_accepted(
+    service: tuple[int, int, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    uid, gid, state = service
+    canary = state / "canary"
+    _received(uid, gid, canary, key="x/../../../pwned")
+    (canary / "golden-x").mkdir()
+    assert cli.main(["canary", "accept", "--config", _config(state)]) == 1
+    assert "no canary answer received" in capsys.readouterr().err
+    assert not (state.parent / "pwned.json").exists()
+    assert sorted(p.name for p in canary.iterdir()) == ["golden-x", "last.json"]
+
+
+def test_a_canary_directory_swapped_for_a_link_is_not_written_through(
+    service: tuple[int, int, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    uid, gid, state = service
+    _received(uid, gid, state / "received")
+    elsewhere = state.parent / "root-only"
+    elsewhere.mkdir(mode=0o700)
+    shutil.copy(state / "received" / "last.json", elsewhere / "last.json")
+    (state / "canary").symlink_to(elsewhere)
+    config = _config(state)
+    assert cli.main(["canary", "accept", "--config", config]) == 1
+    assert cli.main(["canary", "forget", "--config", config]) == 1
+    assert cli.main(["canary", "show", "--config", config]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" not in captured.out and "Traceback" not in captured.err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["last.json"]
+    assert elsewhere.stat().st_uid == 0
+
+
+def test_a_fifo_or_a_link_for_last_json_is_no_answer(
+    service: tuple[int, int, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    uid, gid, state = service
+    canary = state / "canary"
+    _received(uid, gid, canary)
+    config = _config(state)
+    (canary / "last.json").unlink()
+    os.mkfifo(canary / "last.json")  # a read that waited for a writer would never end
+    assert cli.main(["canary", "show", "--config", config]) == 0
+    assert cli.main(["canary", "accept", "--config", config]) == 1
+    (canary / "last.json").unlink()
+    (canary / "last.json").symlink_to("/dev/zero")  # endless
+    assert cli.main(["canary", "accept", "--config", config]) == 1
+    assert "no canary answer received" in capsys.readouterr().err
