@@ -33,13 +33,12 @@ def redact(doc: Any) -> Any:
     PROCESS_KEYS): a foreign process's command line and user are someone else's business."""
     if isinstance(doc, dict):
         out = {
-            k: (None if v is None else WITHHELD) if k in SGLANG_LINE_KEYS else redact(v)
+            k: _withheld(v) if k in SGLANG_LINE_KEYS else redact(v)
             for k, v in doc.items()
             if k not in SGLANG_BULK_KEYS
         }
-        ev = out.get(EVIDENCE_KEY)
-        if isinstance(ev, dict):
-            out[EVIDENCE_KEY] = {k: WITHHELD if isinstance(v, str) else v for k, v in ev.items()}
+        if EVIDENCE_KEY in out:
+            out[EVIDENCE_KEY] = _every_string_withheld(out[EVIDENCE_KEY])
         if "cmdline" in doc:
             out = {k: v for k, v in out.items() if k not in PROCESS_KEYS}
             out["name"] = program_name(str(doc.get("cmdline") or ""))
@@ -51,6 +50,19 @@ def redact(doc: Any) -> Any:
     if isinstance(doc, list):
         return [redact(v) for v in doc]
     return doc
+
+
+def _withheld(value: Any) -> Any:
+    """A text's place kept, its words not: null and "" (nothing to tell) stay as they are."""
+    return value if value is None or value == "" else WITHHELD
+
+
+def _every_string_withheld(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _every_string_withheld(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_every_string_withheld(v) for v in value]
+    return _withheld(value) if isinstance(value, str) else value
 
 
 def program_name(cmdline: str) -> str:

@@ -7,16 +7,20 @@ prewarm planned by MemAvailable alone would read the model past the limit and ev
 first files, and press SGLang's cgroup while it allocates. So the bound is the smaller of:
 
 - the host: MemAvailable (and MemTotal for the default headroom);
-- each memory cgroup from ours up to the root that has a limit: its limit minus its working
-  set, where the working set is its usage minus its inactive file pages (the kernel reclaims
-  those first; this is the kubelet's `working_set_bytes` and what `docker stats` shows).
+- each memory cgroup from ours up to the top of the mount that has a limit: its limit minus its
+  own working set, where the working set is its usage minus its inactive file pages (the
+  kernel reclaims those first; this is the kubelet's `working_set_bytes` and what `docker
+  stats` shows; unknown inactive pages count as working set).
 
-cgroup v2 (`memory.max`, `memory.current`, `memory.stat: inactive_file`, every ancestor read)
-and v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`, `memory.stat: total_inactive_file`;
-`hierarchical_memory_limit` is already the smallest limit above) are both read. Where the
-daemon's cgroup is not visible (a container without its own cgroup namespace shows the host's
-path in /proc/self/cgroup while the mount is its own cgroup), the mount's root is read. Any file
-that cannot be read leaves that bound out: the host's bound always applies.
+cgroup v2: `memory.max` and `memory.high` (reclaim starts there), `memory.current`,
+`memory.stat: inactive_file`. v1: `memory.limit_in_bytes`, `memory.usage_in_bytes`,
+`memory.stat: total_inactive_file`; and `hierarchical_memory_limit`, the smallest limit above,
+for an ancestor out of sight (counted against our own working set: its other members are out of
+sight too). Where /proc/self/cgroup names a path the mount does not show (a container without
+its own cgroup namespace names the host's path while its mount is its own cgroup), the mount's
+top is read; a path outside a mounted subtree, or above the namespace (`/..`), is not read. A
+level whose limit or usage cannot be read is left out, the others still count; the host's bound
+always applies.
 """
 
 from __future__ import annotations
@@ -90,12 +94,21 @@ def _own_paths(proc: Path) -> dict[int, str]:
     return own
 
 
-def _directory(mount: _Mount, path: str) -> Path:
+def _directory(mount: _Mount, path: str) -> Path | None:
+    """The cgroup's directory under the mount, or None when it is not one this mount shows."""
+    if path.startswith("/.."):
+        return None  # moved outside its cgroup namespace: no ancestor of it is visible
     rel = path
-    if mount.root != "/" and (path == mount.root or path.startswith(mount.root + "/")):
+    if mount.root != "/":
+        if path != mount.root and not path.startswith(mount.root + "/"):
+            return None  # outside the mounted subtree
         rel = path[len(mount.root) :]
     d = mount.point / rel.lstrip("/")
-    return d if d.is_dir() else mount.point  # not visible from here: the mount's own top
+    if d.is_dir():
+        return d
+    # A container without its own cgroup namespace names the host's path; its mount is its
+    # own cgroup.
+    return mount.point if mount.root == "/" else None
 
 
 def _stat(d: Path, key: str) -> int:
@@ -103,7 +116,15 @@ def _stat(d: Path, key: str) -> int:
         name, _, value = line.partition(" ")
         if name == key:
             return int(value)
-    return 0
+    raise ValueError(f"no {key} in {d / 'memory.stat'}")
+
+
+def _inactive_file(d: Path, key: str) -> int:
+    """The reclaimable part of a cgroup's charge; 0 when unknown (then all of it counts)."""
+    try:
+        return _stat(d, key)
+    except (OSError, ValueError):
+        return 0
 
 
 def _read_int(p: Path) -> int | None:
@@ -111,28 +132,55 @@ def _read_int(p: Path) -> int | None:
     return None if text == "max" else int(text)
 
 
-def _v2_bounds(mount: _Mount, d: Path) -> Iterator[tuple[int, int, Path]]:
-    """(limit, working set, directory) of every cgroup from d up to the mount with a limit."""
+def _read_if_there(p: Path) -> int | None:
+    try:
+        return _read_int(p)
+    except FileNotFoundError:
+        return None
+
+
+def _v2_level(d: Path) -> tuple[int, int, Path] | None:
+    limits = [
+        x for x in (_read_int(d / "memory.max"), _read_if_there(d / "memory.high")) if x is not None
+    ]
+    if not limits:
+        return None
+    usage = _read_int(d / "memory.current") or 0
+    return min(limits), max(0, usage - _inactive_file(d, "inactive_file")), d
+
+
+def _v1_level(d: Path) -> tuple[int, int, Path] | None:
+    limit = _read_int(d / "memory.limit_in_bytes")
+    if limit is None or limit >= _V1_UNLIMITED:
+        return None
+    return limit, _v1_working_set(d), d
+
+
+def _levels(mount: _Mount, d: Path) -> Iterator[tuple[int, int, Path]]:
+    """(limit, working set, directory) of every cgroup from d up to the mount with a limit.
+    A level whose files cannot be read is left out; the others still count."""
+    level = _v2_level if mount.version == 2 else _v1_level
     while True:
-        limit_file = d / "memory.max"
-        if limit_file.exists():
-            limit = _read_int(limit_file)
-            if limit is not None:
-                usage = _read_int(d / "memory.current") or 0
-                yield limit, max(0, usage - _stat(d, "inactive_file")), d
+        if (d / ("memory.max" if mount.version == 2 else "memory.limit_in_bytes")).exists():
+            try:
+                found = level(d)
+            except (OSError, ValueError):
+                found = None
+            if found is not None:
+                yield found
         if d == mount.point or d.parent == d:
             return
         d = d.parent
 
 
-def _v1_bound(d: Path) -> tuple[int, int, Path] | None:
-    limit = _read_int(d / "memory.limit_in_bytes")
-    hierarchical = _stat(d, "hierarchical_memory_limit")
-    candidates = [x for x in (limit, hierarchical) if x]
-    if not candidates or min(candidates) >= _V1_UNLIMITED:
+def _v1_hierarchical(d: Path) -> int | None:
+    """v1's smallest limit from d up, invisible ancestors included (a container without its
+    own cgroup namespace sees only its own cgroup)."""
+    try:
+        limit = _stat(d, "hierarchical_memory_limit")
+    except (OSError, ValueError):
         return None
-    usage = _read_int(d / "memory.usage_in_bytes") or 0
-    return min(candidates), max(0, usage - _stat(d, "total_inactive_file")), d
+    return None if limit >= _V1_UNLIMITED else limit
 
 
 def cgroup_bounds(proc: Path = Path("/proc")) -> list[tuple[int, int, Path]]:
@@ -145,17 +193,25 @@ def cgroup_bounds(proc: Path = Path("/proc")) -> list[tuple[int, int, Path]]:
     found: list[tuple[int, int, Path]] = []
     for m in mounts:
         path = own.get(m.version)
-        if path is None:
+        d = None if path is None else _directory(m, path)
+        if d is None:
             continue
-        try:
-            d = _directory(m, path)
-            if m.version == 2:
-                found.extend(_v2_bounds(m, d))
-            elif (b := _v1_bound(d)) is not None:
-                found.append(b)
-        except (OSError, ValueError):
-            continue
+        levels = list(_levels(m, d))
+        found.extend(levels)
+        hierarchical = _v1_hierarchical(d) if m.version == 1 else None
+        if hierarchical is not None and all(hierarchical < limit for limit, _, _ in levels):
+            # An ancestor out of sight is the tighter one; its usage is out of sight too, so
+            # only ours can be counted against it (an upper bound on what is free).
+            try:
+                found.append((hierarchical, _v1_working_set(d), d))
+            except (OSError, ValueError):
+                continue
     return found
+
+
+def _v1_working_set(d: Path) -> int:
+    usage = _read_int(d / "memory.usage_in_bytes") or 0
+    return max(0, usage - _inactive_file(d, "total_inactive_file"))
 
 
 def bound(proc: Path = Path("/proc")) -> Bound:

@@ -698,3 +698,31 @@ def test_the_canarys_answers_are_left_out_without_the_token() -> None:
     assert shown["quality"]["canary"] == {"state": "mismatch", "at": 5.0}
     assert shown["quality"]["degraded"] == ["canary_mismatch"]
     assert shown["intent"]["mismatches"] == [{"arg": "tp_size", "expected": 8, "actual": 4}]
+
+
+def test_empty_text_is_not_shown_as_withheld_and_evidence_is_withheld_at_any_depth() -> None:
+    doc = {
+        "state": "ready",
+        "detail": "",
+        "status_line": "ready (primary)",
+        "last_probe": {"ok": True, "error": None},
+        "events": [{"from": "warming", "to": "ready", "reason": "probe_ok", "detail": ""}],
+        "quality": {
+            "evidence": {
+                "overlap": "overlap scheduler on",
+                "more": ["spec v2 line", {"graph": "Capture cuda graph end"}],
+                "decode_batches_judged": 4,
+                "graphs_expected": True,
+            }
+        },
+    }
+    shown = admin.redact(doc)
+    assert shown["detail"] == "" and shown["events"][0]["detail"] == ""
+    assert shown["last_probe"] == {"ok": True, "error": None}
+    assert shown["status_line"] == admin.WITHHELD
+    assert shown["quality"]["evidence"] == {
+        "overlap": admin.WITHHELD,
+        "more": [admin.WITHHELD, {"graph": admin.WITHHELD}],
+        "decode_batches_judged": 4,
+        "graphs_expected": True,
+    }

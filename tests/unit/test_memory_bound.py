@@ -127,14 +127,21 @@ def test_a_mount_of_a_subtree_is_read_relative_to_its_root(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
-    "damage",
-    ["memory.max: garbage", "memory.stat: missing", "memory.current: missing", "cgroup: garbage"],
+    ("damage", "expected"),
+    [
+        ("memory.max: garbage", None),
+        ("memory.current: missing", None),
+        ("cgroup: garbage", None),
+        # No inactive-file figure: the whole charge counts as working set (the cautious side).
+        ("memory.stat: missing", 3 * GIB),
+        ("memory.stat: garbage", 3 * GIB),
+    ],
 )
-def test_unreadable_or_malformed_cgroup_files_leave_the_host_bound(
-    tmp_path: Path, damage: str
+def test_unreadable_or_malformed_cgroup_files(
+    tmp_path: Path, damage: str, expected: int | None
 ) -> None:
     cg = tmp_path / "cg"
-    _v2(cg / "svc", str(4 * GIB), GIB, 0)
+    _v2(cg / "svc", str(4 * GIB), GIB, 512 * MIB)
     proc = _proc(tmp_path, "0::/svc\n", [f"/ {cg} cgroup2 rw"])
     name, _, how = damage.partition(": ")
     target = proc / "self" / "cgroup" if name == "cgroup" else cg / "svc" / name
@@ -142,7 +149,46 @@ def test_unreadable_or_malformed_cgroup_files_leave_the_host_bound(
         target.unlink()
     else:
         target.write_text("\x00not a number\n")
-    assert memory.bound(proc) == memory.Bound(20 * GIB, 32 * GIB, "MemAvailable")
+    got = memory.bound(proc)
+    if expected is None:  # that limit left out; the host's bound applies
+        assert got == memory.Bound(20 * GIB, 32 * GIB, "MemAvailable")
+    else:
+        assert got == memory.Bound(expected, 4 * GIB, str(cg / "svc"))
+
+
+def test_a_level_that_cannot_be_read_leaves_the_limits_above_it(tmp_path: Path) -> None:
+    cg = tmp_path / "cg"
+    ctr = cg / "pod" / "ctr"
+    _v2(ctr, str(30 * GIB), GIB, 0)
+    (ctr / "memory.current").unlink()
+    _v2(cg / "pod", str(6 * GIB), 6 * GIB, 0)  # the pod is full
+    proc = _proc(tmp_path, "0::/pod/ctr\n", [f"/ {cg} cgroup2 rw"])
+    assert memory.bound(proc) == memory.Bound(0, 6 * GIB, str(cg / "pod"))
+
+
+def test_memory_high_is_a_limit_too(tmp_path: Path) -> None:
+    cg = tmp_path / "cg"
+    _v2(cg / "svc", "max", GIB, 0)
+    (cg / "svc" / "memory.high").write_text(f"{3 * GIB}\n")  # MemoryHigh=: reclaim from here
+    proc = _proc(tmp_path, "0::/svc\n", [f"/ {cg} cgroup2 rw"])
+    assert memory.bound(proc) == memory.Bound(2 * GIB, 3 * GIB, str(cg / "svc"))
+
+
+def test_cgroup_v1_walks_the_ancestors_each_with_its_own_usage(tmp_path: Path) -> None:
+    mem = tmp_path / "memory"
+    _v1(mem / "slice", 4 * GIB, 4 * GIB, 0, hierarchical=4 * GIB)  # a full slice
+    _v1(mem / "slice" / "svc", UNLIMITED_V1, 512 * MIB, 0, hierarchical=4 * GIB)
+    proc = _proc(tmp_path, "4:memory:/slice/svc\n", [f"/ {mem} cgroup rw,memory"])
+    assert memory.bound(proc) == memory.Bound(0, 4 * GIB, str(mem / "slice"))
+
+
+@pytest.mark.parametrize("path", ["/other/x", "/../escaped"])
+def test_a_cgroup_the_mount_does_not_show_is_not_read(tmp_path: Path, path: str) -> None:
+    cg = tmp_path / "cg"
+    _v2(cg / "x", str(GIB), 0, 0)  # a same-named cgroup that is not ours
+    _v2(cg / "escaped", str(GIB), 0, 0)
+    proc = _proc(tmp_path, f"0::{path}\n", [f"/kubepods/pod1 {cg} cgroup2 rw"])
+    assert memory.bound(proc).source == "MemAvailable"
 
 
 def test_without_meminfo_the_bound_is_an_error(tmp_path: Path) -> None:
