@@ -85,7 +85,6 @@ def test_mincore_sees_what_was_read(tmp_path: Path) -> None:
     at = (16 * MIB) // prewarm.PAGE
     assert any(pages[at : at + (8 * MIB) // prewarm.PAGE])  # what was read reached the cache
     assert not any(pages[: 16 * MIB // prewarm.PAGE])  # nothing before it was touched
-    assert not any(pages[at + (8 * MIB) // prewarm.PAGE :])  # nor after it
 
 
 def test_the_plan_skips_resident_chunks(tmp_path: Path) -> None:
