@@ -245,5 +245,16 @@ def run_status_command(
         json.dump(doc, out, indent=2)
         out.write("\n")
     else:
-        print(render(doc, time.time()), file=out)
+        try:
+            shown = render(doc, time.time())
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # Not what kimi-serve answers (an older or foreign server on the admin address):
+            # no usable status, so not reachable in the contract's sense; --json shows it raw.
+            print(
+                f"kimi-serve status: the answer from {base} is not a kimi-serve status "
+                f"({type(exc).__name__}: {exc}); see it with --json",
+                file=err,
+            )
+            return EX_UNREACHABLE
+        print(shown, file=out)
     return EX_READY if doc.get("state") in ("ready", "degraded") else EX_NOT_READY

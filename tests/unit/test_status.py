@@ -249,3 +249,27 @@ def test_quality_line() -> None:
         "canary MISMATCH (expected 'a b', got 'c d'), DEGRADED: canary_mismatch, slow_decode"
     )
     assert quality_line(None) == "" and quality_line({"canary": 3}).startswith("canary ?")
+
+
+async def test_an_answer_that_is_not_a_status_is_unreachable_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A server on the admin address answering JSON of the wrong shape (`since` a string, a
+    list for `restarts`): one line on stderr and the contract's 4; --json still shows it."""
+
+    class Odd(_Backend):
+        def status_document(self) -> dict[str, Any]:
+            return {**DOC, "state": "ready", "since": "yesterday", "restarts": [1, 2]}
+
+    backend = Odd(tmp_path, "ready")
+    served = await admin.open_endpoint(backend, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{served.port}"
+    try:
+        real = Path(backend.cfg.admin.token_file).read_text().strip()
+        got, out, err = await run(url, False, token=real)
+        assert got == 4 and out == "" and err.count("\n") == 1
+        assert "is not a kimi-serve status" in err and "Traceback" not in err
+        got, out, _ = await run(url, True, token=real)
+        assert got == 0 and json.loads(out)["since"] == "yesterday"
+    finally:
+        await served.stop()
