@@ -93,13 +93,19 @@ def _config(state: Path) -> str:
     return str(cfg)
 
 
-def test_a_golden_root_accepts_is_the_daemons_to_read(
-    service: tuple[int, int, Path], capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture
+def received(service: tuple[int, int, Path]) -> tuple[int, int, Path, str]:
+    """The service user's canary directory with an answer received; root's config naming it."""
     uid, gid, state = service
-    canary = state / "canary"
-    _received(uid, gid, canary)
-    assert cli.main(["canary", "accept", "--config", _config(state)]) == 0  # as root
+    _received(uid, gid, state / "canary")
+    return uid, gid, state / "canary", _config(state)
+
+
+def test_a_golden_root_accepts_is_the_daemons_to_read(
+    received: tuple[int, int, Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    uid, gid, canary, config = received
+    assert cli.main(["canary", "accept", "--config", config]) == 0  # as root
     assert "accepted ' Paris'" in capsys.readouterr().out
     golden = canary / f"golden-{KEY}.json"
     st = golden.stat()
@@ -153,12 +159,9 @@ def test_a_canary_directory_swapped_for_a_link_is_not_written_through(
 
 
 def test_a_fifo_or_a_link_for_last_json_is_no_answer(
-    service: tuple[int, int, Path], capsys: pytest.CaptureFixture[str]
+    received: tuple[int, int, Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    uid, gid, state = service
-    canary = state / "canary"
-    _received(uid, gid, canary)
-    config = _config(state)
+    _, _, canary, config = received
     (canary / "last.json").unlink()
     os.mkfifo(canary / "last.json")  # a read that waited for a writer would never end
     assert cli.main(["canary", "show", "--config", config]) == 0
