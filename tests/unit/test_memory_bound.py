@@ -200,6 +200,7 @@ def test_without_meminfo_the_bound_is_an_error(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ a real memory cgroup
 
+_NOT_MOVED = 97  # the shell could not move itself into the cgroup
 _CHILD = """
 import json, sys
 from pathlib import Path
@@ -268,7 +269,7 @@ def test_in_a_real_limited_cgroup_the_plan_fits_the_limit(
         [
             "/bin/sh",
             "-c",
-            f'echo $$ > {procs} && exec "$0" -c "$1" "$2"',
+            f'(echo $$ > {procs}) 2>/dev/null || exit {_NOT_MOVED}; exec "$0" -c "$1" "$2"',
             sys.executable,
             _CHILD,
             str(weights),
@@ -278,6 +279,8 @@ def test_in_a_real_limited_cgroup_the_plan_fits_the_limit(
         timeout=60,
         check=False,
     )
+    if done.returncode == _NOT_MOVED:
+        pytest.skip(f"a process cannot be moved into {d} here (cgroup delegation)")
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert got["source"] == str(d) and got["total"] == limit
