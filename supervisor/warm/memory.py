@@ -47,20 +47,17 @@ class _Mount:
     version: int
 
 
-def _meminfo(key: str, proc: Path) -> int:
+def _host(proc: Path) -> tuple[int, int]:
+    """(MemAvailable, MemTotal) from one read of /proc/meminfo, in bytes."""
+    found: dict[str, int] = {}
     for line in (proc / "meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise OSError(f"no {key} in {proc / 'meminfo'}")
-
-
-def host_available(proc: Path = Path("/proc")) -> int:
-    """MemAvailable from /proc/meminfo, in bytes."""
-    return _meminfo("MemAvailable", proc)
-
-
-def host_total(proc: Path = Path("/proc")) -> int:
-    return _meminfo("MemTotal", proc)
+        key, _, value = line.partition(":")
+        if key in ("MemAvailable", "MemTotal"):
+            found[key] = int(value.split()[0]) * 1024
+    for key in ("MemAvailable", "MemTotal"):
+        if key not in found:
+            raise OSError(f"no {key} in {proc / 'meminfo'}")
+    return found["MemAvailable"], found["MemTotal"]
 
 
 def _mounts(proc: Path) -> Iterator[_Mount]:
@@ -161,13 +158,12 @@ def _levels(mount: _Mount, d: Path) -> Iterator[tuple[int, int, Path]]:
     A level whose files cannot be read is left out; the others still count."""
     level = _v2_level if mount.version == 2 else _v1_level
     while True:
-        if (d / ("memory.max" if mount.version == 2 else "memory.limit_in_bytes")).exists():
-            try:
-                found = level(d)
-            except (OSError, ValueError):
-                found = None
-            if found is not None:
-                yield found
+        try:
+            found = level(d)  # no limit file (the top of a hierarchy): OSError, left out
+        except (OSError, ValueError):
+            found = None
+        if found is not None:
+            yield found
         if d == mount.point or d.parent == d:
             return
         d = d.parent
@@ -217,19 +213,13 @@ def _v1_working_set(d: Path) -> int:
 def bound(proc: Path = Path("/proc")) -> Bound:
     """The memory a prewarm may fill now: the smallest of the host's and every limit's.
     Raises OSError only when /proc/meminfo cannot be read."""
-    best = Bound(host_available(proc), host_total(proc), "MemAvailable")
-    for limit, working_set, d in cgroup_bounds(proc):
-        free = max(0, limit - working_set)
-        if free < best.available:
-            best = Bound(free, min(best.total, limit), str(d))
-        else:
-            best = Bound(best.available, min(best.total, limit), best.source)
-    return best
+    host_available, host_total = _host(proc)
+    limits = cgroup_bounds(proc)
+    free = [(host_available, "MemAvailable")]
+    free += [(max(0, limit - working_set), str(d)) for limit, working_set, d in limits]
+    available, source = min(free, key=lambda f: f[0])  # the host's on a tie
+    return Bound(available, min([host_total, *(limit for limit, _, _ in limits)]), source)
 
 
 def available() -> int:
     return bound().available
-
-
-def total() -> int:
-    return bound().total
