@@ -10,9 +10,11 @@ a task ends with an exception (daemon._task_done). So every untrusted JSON goes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -34,7 +36,7 @@ def loads(body: bytes | str) -> Any:
 def read_file(name: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:
     """A file another user may have planted, read as far as it may be trusted: a regular file,
     not through a link (O_NOFOLLOW: the last part of the name; open its directory the same way,
-    `open_dir`, and pass `dir_fd`), never waiting on a FIFO (O_NONBLOCK), at most `limit` bytes.
+    `opened_dir`, and pass `dir_fd`), never waiting on a FIFO (O_NONBLOCK), at most `limit` bytes.
     OSError, or BadAnswer (a ValueError) saying why not."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(name, flags, dir_fd=dir_fd)
@@ -53,10 +55,15 @@ def read_file(name: str | os.PathLike[str], limit: int, dir_fd: int | None = Non
         os.close(fd)
 
 
-def open_dir(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+@contextlib.contextmanager
+def opened_dir(path: str | os.PathLike[str]) -> Iterator[int]:
     """A directory's descriptor, not through a link in its last part: what is then opened,
     created or renamed relative to it stays in that directory even if its name is swapped."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 async def read_capped(response: httpx.Response, limit: int) -> bytes:

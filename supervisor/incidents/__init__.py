@@ -373,11 +373,8 @@ class IncidentStore:
 def read_record(path: Path, limit: int) -> bytes:
     """A file of an incident directory as its reader may trust it: the incident directory not
     through a link, the file a regular one, not a link, not a FIFO, at most `limit` bytes."""
-    dfd = untrusted.open_dir(path.parent)
-    try:
+    with untrusted.opened_dir(path.parent) as dfd:
         return untrusted.read_file(path.name, limit, dir_fd=dfd)
-    finally:
-        os.close(dfd)
 
 
 def _free_bytes(path: Path) -> int:

@@ -26,6 +26,7 @@ import re
 import secrets
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,14 +145,17 @@ _READ_MAX = 4 * 2**20  # a golden holds one short answer; anything larger is not
 _GOLDEN = re.compile(r"^golden-[0-9a-f]{32}\.json$")
 
 
-def _open_dir(directory: Path, create: bool) -> int:
-    """The store's directory, not through a link. Made only by its owner-to-be: the daemon
-    makes it in its own state directory; root's CLI never makes one in the service user's."""
-    if create and not directory.is_dir():
+@contextlib.contextmanager
+def _store_dir(directory: Path) -> Iterator[int]:
+    """The store's directory, not through a link, for writing. Made only by its owner-to-be:
+    the daemon makes it in its own state directory; root's CLI never makes one in the service
+    user's."""
+    if not directory.is_dir():
         existing = next((p for p in directory.parents if p.is_dir()), Path("/"))
         if existing.stat().st_uid == os.geteuid():
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return untrusted.open_dir(directory)
+    with untrusted.opened_dir(directory) as dfd:
+        yield dfd
 
 
 def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
@@ -160,8 +164,7 @@ def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
     into another user's directory (`sudo kimi-serve canary accept` in the service user's), the
     file is that user's: the daemon must read and replace it (a root-owned 0600 golden reads
     as none)."""
-    dfd = _open_dir(directory, create=True)
-    try:
+    with _store_dir(directory) as dfd:
         st = os.fstat(dfd)
         owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
         tmp = f".tmp-{secrets.token_hex(8)}"
@@ -179,23 +182,16 @@ def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
             raise
-    finally:
-        os.close(dfd)
 
 
 def _read_json(directory: Path, name: str) -> object:
     """The document, or None for anything that is not one: no file, a link, a FIFO, more than
     _READ_MAX, not JSON (any depth)."""
     try:
-        dfd = untrusted.open_dir(directory)
-    except OSError:
-        return None
-    try:
-        return untrusted.loads(untrusted.read_file(name, _READ_MAX, dir_fd=dfd))
+        with untrusted.opened_dir(directory) as dfd:
+            return untrusted.loads(untrusted.read_file(name, _READ_MAX, dir_fd=dfd))
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(dfd)
 
 
 class CanaryStore:
@@ -233,37 +229,28 @@ class CanaryStore:
         self.save_golden(accepted)
         return accepted
 
-    def _names(self) -> list[str]:
-        try:
-            dfd = untrusted.open_dir(self.dir)
-        except OSError:
-            return []
-        try:
-            return sorted(n for n in os.listdir(dfd) if _GOLDEN.match(n))
-        finally:
-            os.close(dfd)
-
     def forget(self) -> list[str]:
         """`canary forget`: every golden is removed (the next verified launch learns anew)."""
         removed: list[str] = []
         try:
-            dfd = untrusted.open_dir(self.dir)
-        except FileNotFoundError:
-            return removed
-        try:
-            for name in sorted(os.listdir(dfd)):
-                if name.startswith("golden-") and name.endswith(".json"):
-                    try:
+            with untrusted.opened_dir(self.dir) as dfd:
+                for name in sorted(os.listdir(dfd)):
+                    if not (name.startswith("golden-") and name.endswith(".json")):
+                        continue
+                    with contextlib.suppress(OSError):  # gone meanwhile, or not a file
                         os.unlink(name, dir_fd=dfd)
-                    except OSError:
-                        continue  # gone meanwhile, or not a file: not a golden of ours
-                    removed.append(name)
-        finally:
-            os.close(dfd)
+                        removed.append(name)
+        except FileNotFoundError:
+            pass  # no store yet: nothing to forget
         return removed
 
     def goldens(self) -> list[Golden]:
-        out = [Golden.from_json(_read_json(self.dir, n)) for n in self._names()]
+        try:
+            with untrusted.opened_dir(self.dir) as dfd:
+                names = sorted(n for n in os.listdir(dfd) if _GOLDEN.match(n))
+        except OSError:
+            return []
+        out = [Golden.from_json(_read_json(self.dir, n)) for n in names]
         return [g for g in out if g is not None]
 
 
