@@ -58,15 +58,18 @@ def _recorded_residency(
     return seen
 
 
-def _cold_bytes(seen: list[tuple[Path, bytearray, int]]) -> int:
-    """What a plan over these residencies reads: each chunk with a page missing."""
+def _cold_chunks(pages: bytearray, size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk with a page missing: what a plan over it reads."""
     per_chunk = prewarm.CHUNK // prewarm.PAGE
-    return sum(
-        min(prewarm.CHUNK, size - offset)
-        for _, pages, size in seen
+    return [
+        (offset, min(prewarm.CHUNK, size - offset))
         for offset in range(0, size, prewarm.CHUNK)
         if 0 in pages[offset // prewarm.PAGE : offset // prewarm.PAGE + per_chunk]
-    )
+    ]
+
+
+def _cold_bytes(seen: list[tuple[Path, bytearray, int]]) -> int:
+    return sum(length for _, pages, size in seen for _, length in _cold_chunks(pages, size))
 
 
 def _evicted_or_skip(path: Path) -> None:
@@ -87,26 +90,16 @@ def test_mincore_sees_what_was_read(tmp_path: Path) -> None:
     assert not any(pages[: 16 * MIB // prewarm.PAGE])  # nothing before it was touched
 
 
-def test_the_plan_skips_resident_chunks(tmp_path: Path) -> None:
+def test_the_plan_skips_resident_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = _cold_file(tmp_path / "w.safetensors", 40 * MIB)
     _evicted_or_skip(f)
     _read(f, 0, 2 * prewarm.CHUNK)  # the first two chunks are resident now
-    seen: list[bytearray] = []
-
-    def residency(path: Path) -> tuple[bytearray, int]:  # the real mincore, recorded
-        pages, size = prewarm.resident_pages(path)
-        seen.append(pages)
-        return pages, size
-
-    plan = prewarm.plan([f], available=1 << 50, headroom=0, residency=residency)
-    # The kernel may reclaim a clean page at any moment (memory pressure from a neighbour):
-    # the plan is checked against the residency it was given, not against what was read.
-    per_chunk = prewarm.CHUNK // prewarm.PAGE
-    cold = [
-        i * prewarm.CHUNK for i in range(5) if not all(seen[0][i * per_chunk : (i + 1) * per_chunk])
-    ]
+    seen = _recorded_residency(monkeypatch)
+    plan = prewarm.plan([f], available=1 << 50, headroom=0)
+    ((_, pages, size),) = seen
+    cold = [offset for offset, _ in _cold_chunks(pages, size)]
     assert [c.offset for c in plan.chunks] == cold
-    assert plan.resident_before == seen[0].count(1) * prewarm.PAGE
+    assert plan.resident_before == pages.count(1) * prewarm.PAGE
     assert plan.total == 40 * MIB and plan.skipped_for_memory == 0
     # What was never read is cold; what was read is skipped unless reclaimed already.
     assert cold[-3:] == [2 * prewarm.CHUNK, 3 * prewarm.CHUNK, 4 * prewarm.CHUNK]
