@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # The first cold import of torch + SGLang from a slow disk can take tens of seconds; a warm one
 # takes ~1.5 s. Past this the check is a host problem (a hung mount), not a verdict.
@@ -301,133 +302,12 @@ def sglang_variables(env: Mapping[str, str]) -> list[str]:
 # SGLang's own parser, in a subprocess of the configured interpreter
 # --------------------------------------------------------------------------------------------
 
-# Runs inside the SGLang interpreter. Reads {"requests": [{"argv", "env"}], "env_names"} on
-# stdin, answers one JSON line after _MARKER. It only builds the parser and parses: never
-# ServerArgs.from_cli_args / resolve_once, which read the model's config and probe the GPU.
-_PROBE = r"""
-import argparse, contextlib, io, json, logging, os, re, sys, warnings
-real_stdout, sys.stdout = sys.stdout, sys.stderr
-request = json.load(sys.stdin)
-answer = {"python": sys.version.split()[0], "version": None, "import_error": None,
-          "options": [], "results": [], "env": {}}
-
-def emit():
-    real_stdout.write(MARKER + json.dumps(answer) + "\n")
-    real_stdout.flush()
-
-try:
-    from importlib.metadata import version
-    answer["version"] = version("sglang")
-except Exception:
-    pass
-try:
-    import sglang
-    from sglang.srt.server_args import ServerArgs
-except BaseException as exc:
-    answer["import_error"] = f"{type(exc).__name__}: {exc}"
-    emit()
-    sys.exit(0)
-if answer["version"] is None:
-    answer["version"] = getattr(sglang, "__version__", None)
-
-class Rejected(Exception):
-    pass
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise Rejected(message)
-
-    def exit(self, status=0, message=None):
-        raise Rejected((message or "").strip() or f"the parser exited with status {status}")
-
-ansi = re.compile(r"\x1b\[[0-9;]*m")
-
-def culprits(message):
-    # The flags an error names, so the next pass can go on without them.
-    m = re.match(r"ambiguous option: (--[^ =]+)", message)
-    if m or (m := re.match(r"argument ([^:]+):", message)):
-        return m.group(1).split("/")
-    m = re.match(r"unrecognized arguments: (.*)", message)
-    if m:
-        return [t.partition("=")[0] for t in m.group(1).split() if t.startswith("--")]
-    return []
-
-def without(argv, names):
-    kept, drop = [], False
-    for token in argv:
-        if token.startswith("--"):
-            written = token.partition("=")[0]
-            drop = any(name.startswith(written) for name in names)
-        if not drop:
-            kept.append(token)
-    return kept
-
-for item in request["requests"]:
-    saved = dict(os.environ)
-    os.environ.update(item["env"])
-    buffer = io.StringIO()
-    handler = logging.StreamHandler(buffer)
-    logging.getLogger().addHandler(handler)
-    errors, argv = [], list(item["argv"])
-    try:
-        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer), \
-                warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = lambda m, c, *a, **k: buffer.write(f"{c.__name__}: {m}\n")
-            parser = Parser(prog="sglang serve")
-            ServerArgs.add_cli_args(parser)
-            if not answer["options"]:
-                answer["options"] = sorted(parser._option_string_actions)
-            # argparse stops at the first error; drop the flag it named and parse again, so
-            # one preflight run reports every rejected flag.
-            for _ in range(20):
-                try:
-                    parser.parse_args(argv)
-                    break
-                except Rejected as exc:
-                    errors.append(str(exc))
-                    rest = without(argv, culprits(str(exc)))
-                    if rest == argv:
-                        break
-                    argv = rest
-    except Exception as exc:
-        errors.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        logging.getLogger().removeHandler(handler)
-        os.environ.clear()
-        os.environ.update(saved)
-    lines = dict.fromkeys(ansi.sub("", buffer.getvalue()).strip().splitlines())
-    answer["results"].append({"errors": errors, "output": "\n".join(lines)})
-
-names = request["env_names"]
-if names:
-    from pathlib import Path
-    spellings = {n: [n] + (["SGLANG_" + n[4:]] if n.startswith("SGL_") else []) for n in names}
-    wanted = {s.encode() for forms in spellings.values() for s in forms}
-    found = set()
-    for path in Path(sglang.__file__).parent.rglob("*.py"):
-        data = path.read_bytes()
-        found |= {w for w in wanted - found if w in data}
-        if found == wanted:
-            break
-    try:
-        from sglang.srt.environ import _DEPRECATED_ENVS as deprecated
-    except Exception:
-        deprecated = {}
-    for name in names:
-        entry, note = deprecated.get(name), None
-        if entry is not None:
-            note = f"Environment variable {name} is deprecated."
-            if getattr(entry, "replacement", None):
-                note += f" Please use {entry.replacement} instead."
-            if getattr(entry, "note", None):
-                note += f" {entry.note}"
-        answer["env"][name] = {
-            "read_as": [s for s in spellings[name] if s.encode() in found],
-            "deprecated": note,
-        }
-emit()
-""".replace("MARKER", repr(_MARKER))
+# The program that runs inside the SGLang interpreter (a file of its own, run by path: that
+# interpreter has no kimi-serve installed). It reads {"requests": [{"argv", "env"}], "env_names"}
+# on stdin and answers one JSON line after the marker given as its argument. It only builds the
+# parser and parses: never ServerArgs.from_cli_args / resolve_once, which read the model's
+# config and probe the GPU.
+PARSER_PROGRAM = Path(__file__).with_name("programs") / "parser_probe.py"
 
 
 @dataclass(frozen=True)
@@ -488,7 +368,7 @@ def run_sglang_parser(
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            [python, "-c", _PROBE],
+            [python, str(PARSER_PROGRAM), _MARKER],
             input=payload,
             capture_output=True,
             text=True,

@@ -51,7 +51,7 @@ def sglang_imports() -> Iterator[list[int]]:
     real_run = subprocess.run
 
     def run(args: Any, *a: Any, **kw: Any) -> Any:
-        if isinstance(args, list) and args[1:3] == ["-c", sglang._PROBE]:
+        if isinstance(args, list) and args[1:2] == [str(sglang.PARSER_PROGRAM)]:
             seen.append(len(json.loads(kw.get("input") or "{}").get("requests", ())))
         return real_run(args, *a, **kw)
 
