@@ -212,9 +212,9 @@ __all__ = [
 
 
 class Machine(ProbeRules, DrainRules):
-    """Every decision, by concern: the core and `Context` (machine_context), the restarts
-    (machine_restarts), the probes (machine_probes), drain and router (machine_drain), and here
-    the entry point and the rest of the events."""
+    """Every decision, by concern: `Context` (core/context.py), the restarts
+    (core/restart_rules.py), the probes (core/probe_rules.py), drain and router
+    (core/drain_rules.py), and here the entry point and the rest of the events."""
 
     # ------------------------------------------------------------------ entry point
 

@@ -1,7 +1,7 @@
 """Serving quality, the effects: the canary request and its golden answer, speed and accept
 length read from every probe and SGLang's gauge, the decode path read from SGLang's lines.
 
-The verdicts are quality.py's (pure); the machine decides what a mismatch before ready and a
+The verdicts are supervisor.quality's (pure); the machine decides what a mismatch before ready and a
 speculation collapse with `on_spec_collapse: fallback` mean (machine.Machine._probe_done,
 _spec_collapsed). Everything else is reported only: /status.quality, the kimi_serve_canary_ok,
 kimi_serve_spec_accept_length, kimi_serve_decode_tokens_per_second and

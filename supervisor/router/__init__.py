@@ -1,6 +1,6 @@
 """The daemon's side of the router in front of a fleet: the link made, moved or closed on a
 reload (`relink`), the machine's router actions carried out, and the admin `POST /drain` /
-`/undrain` answers. The link itself is `router_link.RouterLink` (docs/fleet.md); the router's
+`/undrain` answers. The link itself is `router.link.RouterLink` (docs/fleet.md); the router's
 answers are parsed in `router_api`, the drain's wait for SGLang is `drain_wait`. Every name
 those modules give is importable from here too."""
 

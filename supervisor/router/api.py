@@ -1,5 +1,5 @@
 """The router's API (sglang-router 0.3.x / SMG) as data: its answers parsed, URLs compared,
-the retry backoff, the clear-HTTP key check. Pure and total; `router_link` makes the calls."""
+the retry backoff, the clear-HTTP key check. Pure and total; `router.link` makes the calls."""
 
 from __future__ import annotations
 
