@@ -107,6 +107,42 @@ def resident_pages(path: str | os.PathLike[str], limit: int | None = None) -> tu
         os.close(fd)
 
 
+MAX_EXTENTS = 4096  # data regions looked up per file; past them the rest counts as data
+
+
+def data_ranges(path: str | os.PathLike[str], limit: int) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of the file's first `limit` bytes that hold data, not holes
+    (SEEK_DATA / SEEK_HOLE): a sparse file's holes are nothing SGLang reads from disk, and a
+    file that claims an exbibyte and holds nothing has nothing to prewarm. A file system that
+    cannot tell reports the whole file as data (the kernel's generic answer); one that refuses
+    the question, likewise."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return [(0, limit)]
+    try:
+        out: list[tuple[int, int]] = []
+        pos = 0
+        while pos < limit:
+            if len(out) >= MAX_EXTENTS:
+                out.append((pos, limit))
+                break
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data after pos
+                    break
+                return [(0, limit)]
+            if start >= limit:
+                break
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), limit)
+            out.append((start, end))
+            pos = end
+        return out
+    finally:
+        os.close(fd)
+
+
 def resident_bytes(path: str | os.PathLike[str]) -> int:
     pages, size = resident_pages(path)
     return min(size, pages.count(1) * PAGE)
@@ -155,6 +191,7 @@ def plan(
     available: int,
     headroom: int,
     residency: Callable[[Path, int], tuple[bytearray, int]] | None = None,
+    extents: Callable[[Path, int], list[tuple[int, int]]] | None = None,
 ) -> Plan:
     """The chunks to read: each one with a page not yet resident, in file order, until the
     budget (available - headroom) is spent.
@@ -163,8 +200,10 @@ def plan(
     `available` (what of it may already be resident: clean page cache counts as available).
     What lies beyond is counted in `total` and, unprobed, in `skipped_for_memory`. So the work
     and the vectors are bounded by memory, not by file sizes (a 1 EiB sparse file is one
-    bounded probe)."""
+    bounded probe). Chunks holding no data (a sparse file's holes, `data_ranges`) are not
+    planned at all."""
     residency = residency or resident_pages  # looked up now: tests record the real one
+    extents = extents or data_ranges
     budget = max(0, available - headroom)
     chunks: list[Chunk] = []
     total = resident = planned = left_out = 0
@@ -178,7 +217,8 @@ def plan(
         probed = min(size, len(pages) * PAGE)
         resident += min(probed, pages.count(1) * PAGE)
         left_out += size - probed
-        for offset in range(0, probed, CHUNK):
+        data = extents(path, probed)
+        for offset in _chunk_offsets(data):
             first = offset // PAGE
             if 0 not in pages[first : first + per_chunk]:
                 continue
@@ -189,6 +229,16 @@ def plan(
             chunks.append(Chunk(path, offset, length))
             planned += length
     return Plan(chunks, total, resident, budget, left_out)
+
+
+def _chunk_offsets(data: list[tuple[int, int]]) -> Iterable[int]:
+    """The offsets of the chunks (CHUNK-aligned) that hold any of the data ranges, in order."""
+    last = -1
+    for start, end in data:
+        for offset in range(start - start % CHUNK, end, CHUNK):
+            if offset > last:
+                last = offset
+                yield offset
 
 
 # ------------------------------------------------------------------ reading
