@@ -10,7 +10,7 @@ log. Pure functions; the patterns err on the side of hiding.
 Every pattern here is linear in the line: no two ways to match the same character (an item's
 value is `\\.` or a character that is neither the quote nor a backslash), possessive repeats,
 and a value left open at the end of the line is redacted to the end instead of being retried
-from every later position. A line is cut to MAX_LINE_BYTES before any pattern runs (`capped`),
+from every later position. A line is cut to MAX_LINE_BYTES before any pattern runs (`line`),
 so the work per line is bounded whatever SGLang (or a prompt it echoes) prints. `re` holds the
 GIL for a whole match: a pattern that backtracks stalls the event loop, /livez and WATCHDOG=1
 alike, thread or not.
@@ -78,23 +78,23 @@ def _keyword(m: re.Match[str]) -> str:
     return f"{m['head']}{quote}{REDACTED}{quote}"
 
 
-def capped(text: str, limit: int = MAX_LINE_BYTES) -> str:
-    """`text` cut to at most `limit` UTF-8 bytes, saying how much was cut."""
+def _cut(text: str, limit: int) -> tuple[str, int]:
+    """`text` cut to at most `limit` UTF-8 bytes, and how many bytes were cut."""
     if len(text) <= limit // 4:  # no character is more than 4 bytes: the common case, cheaply
-        return text
+        return text, 0
     data = text.encode("utf-8", "surrogatepass")
     if len(data) <= limit:
-        return text
-    kept = data[:limit].decode("utf-8", "ignore")
-    return f"{kept} [{len(data) - limit} bytes cut]"
+        return text, 0
+    return data[:limit].decode("utf-8", "ignore"), len(data) - limit
 
 
 def line(text: str) -> str:
-    """`text`, cut to MAX_LINE_BYTES, with every secret value replaced by <redacted>."""
-    text = capped(text)
-    if not _could_hold_a_secret(text):
-        return text
-    return _every_pattern(text)
+    """`text`, cut to MAX_LINE_BYTES (saying so), with every secret value replaced by
+    <redacted>: a secret left open by the cut is redacted to the end of what is kept."""
+    text, cut = _cut(text, MAX_LINE_BYTES)
+    if _could_hold_a_secret(text):
+        text = _every_pattern(text)
+    return f"{text} [{cut} bytes cut]" if cut else text
 
 
 def _every_pattern(text: str) -> str:

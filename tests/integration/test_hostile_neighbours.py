@@ -14,8 +14,11 @@ does), real sockets; `/livez` polled throughout from another thread, the daemon'
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -250,3 +253,57 @@ def test_status_for_systemd_carries_no_restart_detail(tmp_path: Path) -> None:
         assert not leaked, leaked
     finally:
         listener.close()
+
+
+# Billion laughs: a 1 KB file whose `logging.format` names nine of nine of ... "lol" (9**8).
+BOMB = "".join(f"  l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]\n" for n in range(2, 9)).join(
+    ("x-laughs:\n  l1: &l1 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n", "")
+)
+
+
+def _bombed(cfg: dict[str, Any]) -> str:
+    """The config as YAML with the bomb's anchors before it and `logging.format: *l8`."""
+    doc = {k: v for k, v in cfg.items() if k != "logging"}
+    return BOMB + yaml.safe_dump(doc) + "logging:\n  format: *l8\n"
+
+
+def test_an_alias_bomb_is_refused_fast_by_check(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_bombed(base_config(tmp_path)))
+    assert len(path.read_bytes()) < 4096
+    kimi = Path(sys.executable).parent / "kimi-serve"
+    start = time.monotonic()
+    done = subprocess.run(
+        [str(kimi), "check", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 78, done.stderr
+    assert f"{path}:9: x-laughs.l8[0]: an alias here expands to" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert took < 5.0, took  # it ran past 20 s at 1.4 GB
+
+
+def test_an_alias_bomb_on_sighup_is_refused_and_the_daemon_stays_responsive(
+    tmp_path: Path,
+) -> None:
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready", timeout=30)
+        pid = d.sglang_pid()
+        d.config_path.write_text(_bombed(cfg))
+        with Watch(d) as w:
+            d.signal(signal.SIGHUP)
+            ev = d.wait_for(
+                lambda e: str(e.get("event", "")).startswith("reload refused"), timeout=20
+            )
+            time.sleep(1.0)  # a second of probes after the refusal
+        print(w.report("alias bomb on SIGHUP"))
+        assert "expands to" in json.dumps(ev), ev
+        assert not w.failures and w.p99 < LIVEZ_P99_S, w.report("alias bomb")
+        assert max(w.rss) - w.rss[0] < RSS_GROWTH_MAX, w.report("alias bomb")
+        _still_serving(d, pid)
+        assert d.stop() == 0  # SIGTERM honoured; `reaped` proves SGLang is gone too
