@@ -121,17 +121,13 @@ def _could_hold_a_secret(text: str) -> bool:
     low = text.lower()
     # A named form needs `=`, a quote or a `--` flag; without any, only a Bearer / Basic /
     # Authorization form can hold a secret. Plain `in` tests: a fraction of one regex search.
+    if "=" not in text and "'" not in text and '"' not in text and "--" not in text:
+        return "bearer" in low or "basic" in low or "authorization" in low
+    if not any(w in low for w in ("key", "token", "secret", "passw", "bearer", "basic", "auth")):
+        return False
     if "bearer" in low or "basic" in low or "authorization" in low:
         return True
-    if "=" not in text and "'" not in text and '"' not in text and "--" not in text:
-        return False
-    if not any(w in low for w in _SECRET_WORDS):
-        return False
-    for m in _NAMED.finditer(low):
-        name = m.group()
-        if any(w in name for w in _SECRET_WORDS):
-            return True
-    return False
+    return any(any(w in m.group() for w in _SECRET_WORDS) for m in _NAMED.finditer(low))
 
 
 def document(value: Any, depth: int = 0) -> Any:
