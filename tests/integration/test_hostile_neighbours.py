@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ import pytest
 import yaml
 
 from testkit import base_config, running
+from testkit.cli import kimi_serve
 from testkit.daemon import DaemonProcess, reaped
 from testkit.notify import NotifyListener
 
@@ -159,38 +159,34 @@ def _still_serving(d: DaemonProcess, pid: int) -> None:
     assert "internal task failed" not in lines and "Traceback" not in lines
 
 
-def test_a_backtracking_log_line_never_stalls_the_loop(tmp_path: Path) -> None:
-    cfg = hostile_config(tmp_path, "backslash-line", HOSTILE_BACKSLASHES="40")
-    with running(tmp_path, cfg) as d:
-        d.wait_state("ready", timeout=30)
+def _attacked(tmp_path: Path, mode: str, what: str, **env: str) -> tuple[DaemonProcess, Watch]:
+    """The daemon over the hostile stand-in, ready, then watched for 6 s of the attack; still
+    serving the same SGLang, unrestarted, afterwards."""
+    with running(tmp_path, hostile_config(tmp_path, mode, **env)) as d:
+        d.wait_state("ready", timeout=60)
         pid = d.sglang_pid()
-        w = _watched(d, 6.0, "backslash line")
-        assert not w.failures and w.p99 < LIVEZ_P99_S, w.report("backslash line")
+        w = _watched(d, 6.0, what)
+        assert not w.failures and w.p99 < LIVEZ_P99_S, w.report(what)
         _still_serving(d, pid)
-        # The lines did arrive, forwarded redacted.
-        assert any("'api_key': '<redacted>" in line for line in d.raw), d.raw[-5:]
+    return d, w
+
+
+def test_a_backtracking_log_line_never_stalls_the_loop(tmp_path: Path) -> None:
+    d, _ = _attacked(tmp_path, "backslash-line", "backslash line", HOSTILE_BACKSLASHES="40")
+    # The lines did arrive, forwarded redacted.
+    assert any("'api_key': '<redacted>" in line for line in d.raw), d.raw[-5:]
 
 
 def test_a_deep_server_info_is_no_answer_and_stops_nothing(tmp_path: Path) -> None:
-    with running(tmp_path, hostile_config(tmp_path, "deep-info")) as d:
-        d.wait_state("ready", timeout=30)
-        pid = d.sglang_pid()
-        # The intent check reads /server_info after the first successful probe, the quality
-        # watch once more; both are past when a few liveness probes have been answered.
-        w = _watched(d, 4.0, "deep /server_info")
-        assert not w.failures, w.failures[:3]
-        _still_serving(d, pid)
+    # The intent check reads /server_info after the first successful probe, the quality watch
+    # once more; both are past when a few liveness probes have been answered.
+    _attacked(tmp_path, "deep-info", "deep /server_info")
 
 
 def test_a_gzip_bomb_on_metrics_is_not_inflated(tmp_path: Path) -> None:
-    cfg = hostile_config(tmp_path, "gzip-metrics", HOSTILE_BOMB_MIB="512")
-    with running(tmp_path, cfg) as d:
-        d.wait_state("ready", timeout=60)
-        pid = d.sglang_pid()
-        w = _watched(d, 6.0, "gzip bomb on /metrics (512 MiB inflated)")
-        assert not w.failures and w.p99 < LIVEZ_P99_S, w.report("gzip bomb")
-        assert max(w.rss) - w.rss[0] < RSS_GROWTH_MAX, w.report("gzip bomb")
-        _still_serving(d, pid)
+    what = "gzip bomb on /metrics (512 MiB inflated)"
+    _, w = _attacked(tmp_path, "gzip-metrics", what, HOSTILE_BOMB_MIB="512")
+    assert max(w.rss) - w.rss[0] < RSS_GROWTH_MAX, w.report(what)
 
 
 @pytest.fixture
@@ -275,19 +271,11 @@ def test_an_alias_bomb_is_refused_fast_by_check(tmp_path: Path) -> None:
     path = tmp_path / "bomb.yaml"
     path.write_text(_bombed(base_config(tmp_path)))
     assert len(path.read_bytes()) < 4096
-    kimi = Path(sys.executable).parent / "kimi-serve"
     start = time.monotonic()
-    done = subprocess.run(
-        [str(kimi), "check", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    done = kimi_serve("check", "--config", str(path))  # no traceback, within 30 s
     took = time.monotonic() - start
     assert done.returncode == 78, done.stderr
     assert f"{path}:9: x-laughs.l8[0]: an alias here expands to" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
     assert took < 5.0, took  # it ran past 20 s at 1.4 GB
 
 

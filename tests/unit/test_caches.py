@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import yaml
 from supervisor import cli, config, preflight
 from supervisor.sglang import caches
 from supervisor.sglang.caches import Mount
+from testkit.cli import kimi_serve
 from testkit.users import system_user
 
 # A real mountinfo's shapes (proc(5)): the root, a tmpfs /dev/shm, a unit's PrivateTmp bind.
@@ -164,13 +163,6 @@ def test_warm_section_defaults_and_yaml_off() -> None:
 OTHER_USER = "kimi-serve-test-other"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    kimi = Path(sys.executable).parent / "kimi-serve"
-    return subprocess.run(
-        [str(kimi), *args], capture_output=True, text=True, timeout=60, check=False
-    )
-
-
 def test_a_cache_dir_of_another_user_is_refused_by_check_preflight_and_the_daemon(
     tmp_path: Path,
 ) -> None:
@@ -180,18 +172,17 @@ def test_a_cache_dir_of_another_user_is_refused_by_check_preflight_and_the_daemo
     cache.mkdir(mode=0o755)
     os.chown(cache, other.pw_uid, other.pw_gid)
     path = _config(tmp_path, cache)
-    done = _run("check", "--config", str(path))
+    done = kimi_serve("check", "--config", str(path))
     assert done.returncode == 78, done.stderr
     line = f"{path}:{config.load(str(path)).key_lines['warm.cache_dir']}: warm.cache_dir: "
     assert line in done.stderr and f"belongs to uid {other.pw_uid}" in done.stderr, done.stderr
     check = preflight.check_caches(config.load(str(path)))
     assert not check.ok and f"{cache} belongs to uid {other.pw_uid}" in check.message, check
-    run = _run("run", "--config", str(path))
+    run = kimi_serve("run", "--config", str(path))
     assert run.returncode == 78 and "warm.cache_dir" in run.stderr, run.stderr
-    assert "Traceback" not in done.stderr + run.stderr
     # Made root's again, the same directory passes.
     os.chown(cache, 0, 0)
-    assert _run("check", "--config", str(path)).returncode == 0
+    assert kimi_serve("check", "--config", str(path)).returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -204,7 +195,7 @@ def test_a_cache_dir_others_may_write_is_refused(tmp_path: Path, mode: int, why:
     cache.mkdir()
     os.chown(cache, 0, other.pw_gid)  # a group the service user (root here) is not in
     cache.chmod(mode)
-    done = _run("check", "--config", str(_config(tmp_path, cache)))
+    done = kimi_serve("check", "--config", str(_config(tmp_path, cache)))
     assert done.returncode == 78 and why in done.stderr, done.stderr
 
 
