@@ -53,6 +53,12 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"{cfg.path}: warning: {warning}", file=err)
     for problem in command.cache_problems(cfg):
         print(f"{cfg.path}: warning: warm.cache_dir: {problem}", file=err)
+    owners = command.cache_owner_problems(cfg)
+    line = cfg.key_lines.get("warm.cache_dir")
+    for problem in owners:
+        print(f"{cfg.path}:{line or ''}: warm.cache_dir: {problem}".replace(":: ", ": "), file=err)
+    if owners:
+        return EX_CONFIG
     print("ok", file=out)
     return EX_OK
 
@@ -140,6 +146,10 @@ def _token_file_problem(cfg: Config) -> str | None:
             admin_token.read_secret(key, "router.api_key_file")
         except admin_token.TokenFileError as exc:
             return f"{exc.message} (router.api_key_file in {cfg.path})"
+    from supervisor.sglang import argv as command
+
+    for problem in command.cache_owner_problems(cfg):
+        return f"{problem} (warm.cache_dir in {cfg.path})"
     return None
 
 

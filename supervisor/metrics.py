@@ -325,8 +325,11 @@ class Metrics:
             self.load_phase.labels(phase).set(seconds)
 
     def set_sglang_version(self, version: str) -> None:
+        # SGLang's own word (/server_info): a label of at most 64 printable characters, so a
+        # hostile server cannot make every scrape carry a megabyte.
+        shown = "".join(c for c in version[:64] if c.isprintable()) or "unknown"
         self.build.clear()
-        self.build.labels(__version__, version).set(1)
+        self.build.labels(__version__, shown).set(1)
 
     def set_router_registered(self, registered: bool) -> None:
         self.router_registered.set(1 if registered else 0)

@@ -6,12 +6,20 @@ exhaust the parser's recursion limit (RecursionError on Python 3.11), a body tha
 raises UnicodeDecodeError (a ValueError), a huge number raises ValueError, memory can run out.
 A caller that catches only ValueError lets the rest end its task; the daemon stops SGLang when
 a task ends with an exception (daemon._task_done). So every untrusted JSON goes through `loads`.
+
+`loads` is also total over what JSON allows but no answer of ours holds: Python's decoder takes
+`NaN` and `Infinity`, `1e999` (infinite), integers of thousands of digits, and nesting just
+under its recursion limit, each of which then breaks the reader further on (`math.isfinite` of
+a 401-digit integer raises OverflowError; redaction recursing 700 levels, RecursionError). So
+`loads` refuses non-finite numbers, integers beyond 64 bits and documents nested deeper than
+MAX_DEPTH: each is a BadAnswer, like any other bad answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 from collections.abc import Iterator
@@ -19,18 +27,59 @@ from typing import Any
 
 import httpx
 
+MAX_DEPTH = 32  # no answer or record of ours nests deeper than a few levels
+MAX_INT_DIGITS = 20  # 2**64 has 20 digits
+
 
 class BadAnswer(ValueError):
     """An answer that cannot be decoded; the message says why in a few words."""
 
 
-def loads(body: bytes | str) -> Any:
-    """JSON from an untrusted source, or BadAnswer (a ValueError) for anything else."""
+def _constant(name: str) -> Any:
+    raise BadAnswer(f"not JSON ({name} is no JSON number)")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadAnswer(f"not JSON ({text[:20]} is not a finite number)")
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise BadAnswer(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def depth(doc: Any) -> int:
+    """How deep a decoded document nests (a scalar: 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        elif not isinstance(value, list):
+            continue
+        deepest = max(deepest, level + 1)
+        stack.extend((v, level + 1) for v in value if isinstance(v, dict | list))
+    return deepest
+
+
+def loads(body: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
+    """JSON from an untrusted source, or BadAnswer (a ValueError) for anything else: not
+    JSON, a non-finite number, an integer beyond 64 bits, nesting deeper than `max_depth`."""
     try:
-        return json.loads(body)
+        doc = json.loads(body, parse_constant=_constant, parse_float=_float, parse_int=_int)
+    except BadAnswer:
+        raise
     except (ValueError, RecursionError, TypeError, MemoryError) as exc:
         what = "nested too deep" if isinstance(exc, RecursionError) else type(exc).__name__
         raise BadAnswer(f"not JSON ({what})") from None
+    if depth(doc) > max_depth:
+        raise BadAnswer(f"nested more than {max_depth} deep")
+    return doc
 
 
 def read_file(name: str | os.PathLike[str], limit: int, dir_fd: int | None = None) -> bytes:

@@ -29,7 +29,7 @@ from supervisor.config.convert import key_file_problem as key_file_problem
 from supervisor.config.convert import parse_duration as parse_duration
 from supervisor.config.convert import parse_listen as parse_listen
 from supervisor.config.convert import parse_size as parse_size
-from supervisor.config.reader import _marks, _Reader, _yaml_issue
+from supervisor.config.reader import _alias_issues, _marks, _Reader, _yaml_issue
 from supervisor.config.sections import (
     _admin,
     _gpus,
@@ -99,8 +99,17 @@ TOP_KEYS = settings.known("")
 def parse(text: str, file: str) -> Config:
     """Parse YAML text into a Config, or raise ConfigError listing every problem."""
     try:
-        raw = yaml.safe_load(text)
-        marks, twice = _marks(yaml.compose(text, Loader=yaml.SafeLoader))
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            # Before anything is built or walked: an alias bomb is refused in linear time.
+            bombs = _alias_issues(node, len(text))
+            if bombs:
+                raise ConfigError(file, bombs)
+            raw = None if node is None else loader.construct_document(node)
+        finally:
+            loader.dispose()
+        marks, twice = _marks(node)
     except yaml.YAMLError as exc:
         raise ConfigError(file, [_yaml_issue(exc, text)]) from None
     except RecursionError:

@@ -8,6 +8,7 @@ Nothing here knows a section or a key: `settings` pairs each key with its conver
 from __future__ import annotations
 
 import difflib
+import importlib
 import ipaddress
 import math
 import os
@@ -15,6 +16,7 @@ import re
 import stat
 import urllib.parse
 from collections.abc import Callable
+from typing import Any
 
 # `${NAME}` in a string value of sglang.args / profiles.*.args, group.peers and group.leader:
 # filled in from the daemon's environment when the file is read, so one file serves every node
@@ -178,6 +180,69 @@ def _string_list(value: object) -> tuple[str, ...]:
 
 def _regex_list(value: object) -> tuple[str, ...]:
     return tuple(_regex(v) for v in _string_list(value))
+
+
+try:  # CPython's own regex parser, to see a pattern's shape
+    _sre: Any = importlib.import_module("re._parser")
+except ImportError:  # pragma: no cover - other interpreters: only re.compile's checks
+    _sre = None
+
+
+def backtracking_risk(pattern: str) -> str | None:
+    """Why `pattern` may take time exponential in a line's length on the event loop (`re`
+    backtracks, holding the GIL for the whole match), or None: a repeat inside a repeat
+    (`(a+)+`, `(\\w*\\s?)*`), an alternation inside a repeat (`(a|ab)*`), a backreference."""
+    if _sre is None:
+        return None
+    repeats = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", None))
+
+    def walk(items: Any, in_repeat: bool) -> str | None:
+        for op, av in items:
+            if op in (_sre.GROUPREF, _sre.GROUPREF_EXISTS):
+                return "a backreference"
+            if op in repeats and op is not None:
+                _lo, hi, sub = av
+                many = hi is _sre.MAXREPEAT or hi > 1
+                if in_repeat and many and op is not getattr(_sre, "POSSESSIVE_REPEAT", None):
+                    return "a repeat inside a repeat"
+                found = walk(sub, in_repeat or (many and op is not repeats[2]))
+                if found:
+                    return found
+            elif op is _sre.BRANCH:
+                if in_repeat:
+                    return "an alternation inside a repeat"
+                for branch in av[1]:
+                    if found := walk(branch, in_repeat):
+                        return found
+            elif op is _sre.SUBPATTERN:
+                if found := walk(av[3], in_repeat):
+                    return found
+            elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+                if found := walk(av[1], in_repeat):
+                    return found
+            elif op is getattr(_sre, "ATOMIC_GROUP", None):
+                continue  # an atomic group never backtracks into itself
+        return None
+
+    try:
+        return walk(_sre.parse(pattern), False)
+    except (re.error, RecursionError, ValueError, TypeError):
+        return None  # re.compile judged it already; no shape to tell
+
+
+def _linear_regex_list(value: object) -> tuple[str, ...]:
+    """Regexes run on every SGLang line: each compiled, and none that can backtrack without
+    bound (`backtracking_risk`)."""
+    out = _regex_list(value)
+    for i, text in enumerate(out):
+        why = backtracking_risk(text)
+        if why:
+            raise ValueError(
+                f"[{i}] {text!r} has {why}: on a long line it can stall the daemon for"
+                " minutes (write it without nesting, e.g. `a+b` for `(a+)+b`, or make the"
+                " inner repeat possessive, `(?:a++)`)"
+            )
+    return out
 
 
 def _host(value: object) -> str:

@@ -59,6 +59,97 @@ def _marks(root: yaml.Node | None) -> tuple[dict[str, int], list[ConfigIssue]]:
     return marks, twice
 
 
+# An alias is the node it names once more: PyYAML shares it, but everything that walks the
+# loaded value (the sections, their error messages, a reload's comparison) walks every copy, and
+# ten aliases of ten aliases of ... ("billion laughs") make a 1 KB file a billion values. What a
+# value expands to is measured on the node graph (each node weighed once, memoised: linear in
+# the file) before anything is constructed: a scalar weighs its length + 1, a collection 1 + its
+# items. A real config weighs a few thousand; anchors shared between profiles, tens of thousands.
+MAX_ALIAS_WEIGHT = 64 << 10  # one alias's expansion
+MAX_EXPANDED_WEIGHT = 1 << 20  # the whole file's, beyond its own length
+
+
+def _alias_issues(root: yaml.Node | None, text_len: int) -> list[ConfigIssue]:
+    """One issue for each alias that expands past MAX_ALIAS_WEIGHT (at most three, the first in
+    the file), for an alias of a node that holds it, and for a file that expands past its
+    length + MAX_EXPANDED_WEIGHT; named by the key path and line where it is used."""
+    if root is None:
+        return []
+    weight: dict[int, int] = {}
+    active: set[int] = set()
+
+    def weigh(node: yaml.Node) -> int:
+        # Iterative (a deep file must not hit the recursion limit here): post-order on a stack.
+        stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+        while stack:
+            n, done = stack.pop()
+            key = id(n)
+            if key in weight:
+                continue
+            if isinstance(n, yaml.ScalarNode):
+                weight[key] = len(str(n.value)) + 1
+                continue
+            kids = _children(n)
+            if done:
+                active.discard(key)
+                weight[key] = 1 + sum(weight.get(id(k), _CYCLE) for k in kids)
+                continue
+            if key in active:
+                continue  # a cycle: its weight stays unknown, read as _CYCLE
+            active.add(key)
+            stack.append((n, True))
+            stack.extend((k, False) for k in kids if id(k) not in weight)
+        return weight[id(node)]
+
+    total = weigh(root)
+    issues: list[ConfigIssue] = []
+    seen: set[int] = set()
+    lines: set[int] = set()
+    # Document order, each node's first appearance walked: a later one is an alias.
+    walk: list[tuple[yaml.Node, str, int]] = [(root, "", root.start_mark.line + 1)]
+    while walk and len(issues) < 3:
+        node, path, line = walk.pop()
+        if id(node) in seen:
+            w = weight.get(id(node), _CYCLE)
+            if w >= MAX_ALIAS_WEIGHT and line not in lines:
+                lines.add(line)
+                what = (
+                    "refers to a node that holds it"
+                    if w >= _CYCLE
+                    else f"expands to {w} (values + characters), more than {MAX_ALIAS_WEIGHT}"
+                )
+                issues.append(ConfigIssue(path, line, f"an alias here {what}"))
+            continue
+        seen.add(id(node))
+        kids: list[tuple[yaml.Node, str, int]] = []
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                sub = f"{path}.{key}" if path else key
+                kids.append((value_node, sub, key_node.start_mark.line + 1))
+        elif isinstance(node, yaml.SequenceNode):
+            kids = [(item, f"{path}[{i}]", line) for i, item in enumerate(node.value)]
+        walk.extend(reversed(kids))
+    if not issues and total > text_len + MAX_EXPANDED_WEIGHT:
+        issues.append(
+            ConfigIssue(
+                "", None, f"its aliases expand it to {total}, more than {MAX_EXPANDED_WEIGHT}"
+            )
+        )
+    return issues
+
+
+_CYCLE = 1 << 62
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 def _yaml_issue(exc: yaml.YAMLError, text: str) -> ConfigIssue:
     mark = getattr(exc, "problem_mark", None)
     line = mark.line + 1 if mark is not None else None

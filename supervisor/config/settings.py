@@ -26,6 +26,7 @@ from supervisor.config.convert import (
     _host,
     _http_url_list,
     _int_in,
+    _linear_regex_list,
     _listen,
     _opt_absolute_path,
     _opt_env_http_url,
@@ -36,7 +37,6 @@ from supervisor.config.convert import (
     _opt_string,
     _positive_duration,
     _prewarm,
-    _regex_list,
     _string,
     _string_list,
     parse_duration,
@@ -255,9 +255,11 @@ SETTINGS: tuple[Setting, ...] = (
       "another user's process as ours ([docs/security.md](docs/security.md), \"Launch "
       "records\")", f"`$STATE_DIRECTORY`, else `{FALLBACK_STATE_DIR}`"),
     # ------------------------------------------------------------------------------------ logs
-    S("logs.fatal_patterns", _regex_list, list(DEFAULT_FATAL_PATTERNS),
+    S("logs.fatal_patterns", _linear_regex_list, list(DEFAULT_FATAL_PATTERNS),
       "regexes on SGLang's output that mean \"restart now\" (reason `fatal_log`), without "
-      "waiting ~65 s for SGLang's own crash path",
+      "waiting ~65 s for SGLang's own crash path; each runs on the line cut to 16 KiB, and one "
+      "that can backtrack without bound (a repeat inside a repeat, an alternation inside a "
+      "repeat, a backreference) is refused",
       "scheduler exception, watchdog timeout, CUDA OOM / illegal access, NCCL errors, warmup "
       "failure"),
     S("logs.tail_lines", _int_in(1, 100_000), 200, "lines kept for `last_restart.log_tail`"),

@@ -431,7 +431,8 @@ class Daemon:
         return refused
 
     def status_line(self) -> str:
-        return self.observed.status_line()
+        """STATUS=: world-readable, so the public line (Observed.status_line)."""
+        return self.observed.status_line(public=True)
 
     def status_document(self) -> dict[str, Any]:
         return self.observed.status_document()

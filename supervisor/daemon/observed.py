@@ -85,6 +85,7 @@ class Observed:
         self.sglang_version = "unknown"
         self.since_unix = wall()
         self.detail = ""
+        self.reason = ""  # the last transition's reason: a code, never SGLang's text
         self.last_restart: dict[str, Any] | None = None
         self.last_probe: dict[str, Any] | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
@@ -125,6 +126,7 @@ class Observed:
     def transitioned(self, t: Transitioned) -> None:
         now_unix = self.wall()
         self.detail = t.detail
+        self.reason = t.reason
         if t.old is not t.new:
             self.since_unix = now_unix
             self.metrics.set_state(t.new, now_unix)
@@ -307,7 +309,10 @@ class Observed:
 
     # ------------------------------------------------------------------ read by admin
 
-    def status_line(self) -> str:
+    def status_line(self, public: bool = False) -> str:
+        """One line of state. `public`: for systemd's STATUS=, which any local user reads with
+        `systemctl status`: the transition's reason instead of its detail (a traceback, the
+        canary's expected and received text: what /status withholds without the token)."""
         ctx = self.ctx
         state = ctx.state
         parts = [state.value, f"({ctx.profile}"]
@@ -328,7 +333,9 @@ class Observed:
         if degraded and state in (State.READY, State.DEGRADED, State.DRAINING):
             parts.append(f"- quality: {', '.join(degraded)}")
         if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
-            parts.append(f"- {self.detail}")
+            parts.append(
+                f"- {self.reason} (detail: kimi-serve status)" if public else f"- {self.detail}"
+            )
         if note := self.note():
             parts.append(f"- {note}")
         return " ".join(parts)[:400]

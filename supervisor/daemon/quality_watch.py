@@ -283,8 +283,7 @@ class QualityWatch:
         meta = done.result.meta
         cur.probes += 1
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        text = await endpoints.fetch_metrics(self.http, base)
-        samples = endpoints.parse_metrics(text) if text else None  # one parse for all three
+        samples = await endpoints.fetch_samples(self.http, base)  # one parse for all three
         progress = None if samples is None else progress_of(samples)
         running = None if samples is None else endpoints.mean(samples, "sglang:num_running_reqs")
         decoded_after = None if progress is None else progress.realtime_decode

@@ -61,7 +61,7 @@ def wire(cfg: Config, fx: Effects) -> Parts:
     emit, spawn = inbox.emit, inbox.spawn
 
     def progress() -> None:  # the prewarm's progress: STATUS= again, with its note
-        fx.notifier.status(observed.status_line())
+        fx.notifier.status(observed.status_line(public=True))
 
     warmer = Warm(cfg, fx.clock, spawn, progress)
     recorder = IncidentRecorder(cfg, wall=fx.wall, load_extras=warmer.current)

@@ -246,7 +246,17 @@ def check_gpus(
 
 def check_caches(cfg: Config) -> Check:
     """SGLang's compile caches (supervisor/sglang/caches.py): a warning, never a failure; a lost
-    cache costs compile time on the next start, not correctness."""
+    cache costs compile time on the next start, not correctness. A cache another user could
+    write is a failure: SGLang would run the kernels they put there."""
+    owners = argv.cache_owner_problems(cfg)
+    if owners:
+        return Check(
+            "caches",
+            False,
+            HOST,
+            owners[0],
+            "\n".join([*owners[1:], "chown the directory to the service user, chmod go-w"]),
+        )
     found = argv.cache_problems(cfg)
     if not found:
         return Check(

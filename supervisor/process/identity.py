@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from supervisor import untrusted
+
 RECORD_FILE = "launch.json"
 # Every process we launch carries this variable (inherited by SGLang's children). Its value is
 # the daemon's state directory, so two daemons on one host never touch each other's processes.
@@ -198,7 +200,9 @@ class LaunchRecord:
 
     @classmethod
     def from_json(cls, text: str) -> LaunchRecord:
-        data = json.loads(text)
+        # The service user's file, read by root too (gpu-clean): no NaN, no integer of
+        # hundreds of digits (float() of it raises OverflowError), no deep nesting.
+        data = untrusted.loads(text)
         boot = data.get("boot_id")
         return cls(
             daemon_pid=int(data["daemon_pid"]),
@@ -278,7 +282,7 @@ class RecordStore:
             if len(raw) > MAX_RECORD_BYTES:
                 raise ValueError("too large")
             record = LaunchRecord.from_json(raw.decode())
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
             # A torn or foreign file: nothing in it can be trusted to name our processes.
             return RecordRead(None, (f"{where} is not a launch record: ignored",))
         if record.boot_id is None or record.boot_id != boot:

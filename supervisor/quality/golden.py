@@ -40,6 +40,8 @@ SAMPLE_BYTES = 4096
 MAX_HEADER_BYTES = 100 << 20  # safetensors caps its header at 100 MB
 MAX_FILES = 100_000
 IDENTITY_VERSION = "1"
+_MAX_TOKENS = 1 << 20  # far beyond any canary's length
+_LATEST = 1 << 34  # a wall time before the year 2514 (NaN fails the comparison too)
 
 
 def model_identity(model_path: str) -> str:
@@ -123,7 +125,11 @@ class Golden:
         if answer is None or not all(isinstance(doc.get(k), str) for k in strings):
             return None
         mt, at = doc.get("max_tokens"), doc.get("learned_at")
-        if not isinstance(mt, int) or not isinstance(at, int | float):
+        # The service user writes these files and root reads them (`canary show`, `accept`):
+        # a count and a wall time in range, or no golden (1e300 is a float, and no date).
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 0 < mt <= _MAX_TOKENS:
+            return None
+        if not isinstance(at, int | float) or isinstance(at, bool) or not 0 <= at < _LATEST:
             return None
         return Golden(
             key=doc["key"],

@@ -99,9 +99,21 @@ def secrets_path(state_dir: str) -> str:
 
 def cache_problems(cfg: Config) -> list[str]:
     """The problems of every profile's cache directories, each once (`check`, `preflight`)."""
+    return caches.problems(_cache_dirs(cfg), caches.read_mounts())
+
+
+def cache_owner_problems(cfg: Config) -> list[str]:
+    """Cache directories (of every profile, and warm.cache_dir itself) another user could
+    write: refused by `check`, `preflight` and the daemon (caches.owner_problem)."""
+    uids, gids = caches.trusted_owners(cfg.state_dir)
+    dirs = {"warm.cache_dir": cfg.warm.cache_dir, **_cache_dirs(cfg)}
+    return caches.owner_problems(dirs, uids, gids)
+
+
+def _cache_dirs(cfg: Config) -> dict[str, str]:
     dirs: dict[str, str] = {}
     for profile in cfg.profile_names:
         for name, path in caches.paths(build(cfg, profile).env).items():
             if path not in dirs.values():
                 dirs[name if name not in dirs else f"{name} ({profile})"] = path
-    return caches.problems(dirs, caches.read_mounts())
+    return dirs

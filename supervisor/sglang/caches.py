@@ -14,16 +14,19 @@ variable wins. The variables, as SGLang 0.5.23 reads them (docs/sglang.md, "Comp
 - `FLASHINFER_WORKSPACE_BASE` (flashinfer appends `.cache/flashinfer` itself);
 - `CUDA_CACHE_PATH` (the driver's PTX JIT cache, ComputeCache).
 
-What is checked (`check`, `preflight`; warnings, since a lost cache costs compile time, never
-correctness): a directory that is missing (and whether it can be created), not writable, or not
-persistent: tmpfs/ramfs, systemd's PrivateTmp (removed when the unit stops), a container's own
-writable layer (gone with the container).
+Who may write them is checked first (`owner_problems`: `check` and `preflight` fail, the daemon
+exits 78): SGLang runs what it finds there, so a directory another user can write is theirs to
+fill with kernels of their own. What else is checked (`check`, `preflight`; warnings, since a
+lost cache costs compile time, never correctness): a directory that is missing (and whether it
+can be created), not writable, or not persistent: tmpfs/ramfs, systemd's PrivateTmp (removed
+when the unit stops), a container's own writable layer (gone with the container).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +160,68 @@ def _problem(path: str, mounts: list[Mount]) -> str | None:
         return f"not writable by uid {os.geteuid()}: SGLang would compile on every start"
     why = not_persistent(real if os.path.isdir(real) else _existing(real), mounts)
     return None if why is None else f"not persistent: {why}"
+
+
+# ------------------------------------------------------------------ who may write them
+
+
+def trusted_owners(state_dir: str) -> tuple[frozenset[int], frozenset[int]]:
+    """(uids, gids) a cache directory may belong to: root, this process's user (the service
+    user, for the daemon) and the state directory's owner (the service user, for root's
+    `check` and `preflight`); the groups of these, and this process's own (a pod's fsGroup)."""
+    uids = {0, os.geteuid()}
+    gids = {os.getegid(), *os.getgroups()}
+    try:
+        st = os.stat(state_dir)
+    except OSError:
+        pass
+    else:
+        uids.add(st.st_uid)
+        gids.add(st.st_gid)
+    return frozenset(uids), frozenset(gids)
+
+
+def owner_problem(path: str, uids: frozenset[int], gids: frozenset[int]) -> str | None:
+    """Why another user could replace what SGLang loads from `path` (compiled kernels it runs
+    as the service user, or as root), or None. The directory (and each existing one above it)
+    must belong to root or the service user, not be writable by others (unless sticky, as
+    /tmp: then only its own entry's owner counts), and be group-writable only for a group of
+    the service user's (a pod's fsGroup). A missing directory is made 0700 by the daemon."""
+    p = Path(os.path.realpath(path))
+    first = True  # the directory itself: sticky does not make it safe (a parent it does)
+    while True:
+        try:
+            st = os.stat(p)
+        except OSError:
+            st = None
+        if st is not None:
+            mode = stat.S_IMODE(st.st_mode)
+            sticky = bool(st.st_mode & stat.S_ISVTX) and not first
+            if st.st_uid not in uids:
+                return f"{p} belongs to uid {st.st_uid}, not to root or the service user"
+            if st.st_mode & stat.S_IWOTH and not sticky:
+                return f"{p} is writable by every user (mode {mode:04o})"
+            if st.st_mode & stat.S_IWGRP and st.st_gid not in gids and not sticky:
+                return f"{p} is writable by group {st.st_gid}, not a group of the service user"
+        first = False
+        if p == p.parent:
+            return None
+        p = p.parent
+
+
+def owner_problems(
+    dirs: Mapping[str, str], uids: frozenset[int], gids: frozenset[int]
+) -> list[str]:
+    """`owner_problem` of each cache directory, one line per problem naming the caches."""
+    found: dict[str, list[str]] = {}
+    for name, path in dirs.items():
+        why = owner_problem(path, uids, gids)
+        if why is not None:
+            found.setdefault(why, []).append(name)
+    return [
+        f"cache {', '.join(names)}: {why}: its owner could replace the kernels SGLang loads"
+        for why, names in found.items()
+    ]
 
 
 def read_mounts() -> list[Mount]:

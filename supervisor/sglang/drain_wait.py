@@ -17,7 +17,11 @@ from supervisor.sglang import endpoints
 
 def parse_load(text: str) -> tuple[float, float] | None:
     """(running, queued) requests from SGLang's /metrics, summed over ranks; None if absent."""
-    samples = endpoints.parse_metrics(text)
+    return load_of(endpoints.parse_metrics(text))
+
+
+def load_of(samples: endpoints.Samples | None) -> tuple[float, float] | None:
+    """`parse_load` of samples already parsed."""
     running = None if samples is None else endpoints.total(samples, "sglang:num_running_reqs")
     if samples is None or running is None:
         return None
@@ -49,7 +53,7 @@ async def sglang_load(
     text, why = await endpoints.get_metrics(client, sglang_url, timeout)
     if text is None:
         return None, why
-    load = parse_load(text)
+    load = load_of(await endpoints.samples(text))
     if load is None:
         return None, "SGLang's /metrics is not served (no sglang:num_running_reqs in it)"
     return load, None

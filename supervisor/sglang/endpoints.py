@@ -1,9 +1,10 @@
 """SGLang's read-only endpoints, each fetched and parsed in one place.
 
-- `/metrics` (Prometheus text, with `--enable-metrics`): `fetch_metrics` reads it, `parse_metrics`
-  turns it into samples once; `total` and `mean` read them. The probe's busy detection
-  (`probe.parse_progress`), the drain's wait (`drain_wait.parse_load`) and serving quality's
-  gauges (`quality.parse_gauge`) all read through `parse_metrics`.
+- `/metrics` (Prometheus text, with `--enable-metrics`): `fetch_metrics` reads it (uncompressed,
+  capped), `parse_metrics` turns it into samples once (`samples`: off the loop); `total` and
+  `mean` read them. The probe's busy detection (`probe.parse_progress`), the drain's wait
+  (`drain_wait.parse_load`) and serving quality's gauges (`quality.parse_gauge`) all read
+  through `parse_metrics`.
 - `/server_info` (or `/get_server_info`, its older name): `server_info`, bounded and decoded as
   an untrusted answer (supervisor/untrusted.py), used for the intent check and the golden's key.
 - `/generate` (the decode probe, the canary): `post_generate`, one total deadline and a capped
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import untrusted
+from supervisor import threads, untrusted
 
 Samples = Mapping[str, list[tuple[Mapping[str, str], float]]]
 
@@ -32,6 +33,13 @@ INFO_PATHS = ("/server_info", "/get_server_info")
 # that answer, and is not read into the daemon's memory.
 MAX_INFO_BYTES = 1 << 20
 MAX_ANSWER_BYTES = 1 << 20  # a probe or canary answer is a few KiB; more is not that answer
+# SGLang's /metrics page, read as sent (never gzip: httpx inflates without bound) and at most
+# this much. Sized from real pages (docs/security.md, "Answers read from SGLang"): real SGLang
+# 0.5.23's page is tens of KiB, a tp-8 server's scheduler families repeat once per rank with a
+# `tp_rank` label; 8 MiB is over 20 times the largest such page.
+MAX_METRICS_BYTES = 8 << 20
+# A page is parsed off the loop: pure Python, so the loop keeps its share of the GIL.
+PARSE_TIMEOUT_S = 10.0
 ABORT_TIMEOUT_S = 2.0
 
 
@@ -65,17 +73,24 @@ def mean(samples: Samples, name: str) -> float | None:
 async def get_metrics(
     client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
 ) -> tuple[str | None, str | None]:
-    """(SGLang's /metrics exposition, None), or (None, why it cannot be had within `timeout`)."""
+    """(SGLang's /metrics exposition, None), or (None, why it cannot be had within `timeout`):
+    asked for uncompressed and read through `untrusted.read_capped` (MAX_METRICS_BYTES)."""
+    url = base_url.rstrip("/") + "/metrics"
     try:
         async with asyncio.timeout(timeout):
-            r = await client.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+            async with client.stream(
+                "GET", url, timeout=timeout, headers={"Accept-Encoding": "identity"}
+            ) as r:
+                if r.status_code == 404:
+                    return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
+                if r.status_code != 200:
+                    return None, f"SGLang's /metrics answered HTTP {r.status_code}"
+                body = await untrusted.read_capped(r, MAX_METRICS_BYTES)
     except (TimeoutError, httpx.HTTPError, OSError) as exc:
         return None, f"SGLang's /metrics did not answer ({type(exc).__name__})"
-    if r.status_code == 404:
-        return None, "SGLang's /metrics is not served (start it with --enable-metrics)"
-    if r.status_code != 200:
-        return None, f"SGLang's /metrics answered HTTP {r.status_code}"
-    return r.text, None
+    except untrusted.BadAnswer as exc:
+        return None, f"SGLang's /metrics: {exc}"
+    return body.decode("utf-8", "replace"), None
 
 
 async def fetch_metrics(
@@ -83,6 +98,22 @@ async def fetch_metrics(
 ) -> str | None:
     """SGLang's /metrics exposition, or None when it does not answer 200 within `timeout`."""
     return (await get_metrics(client, base_url, timeout))[0]
+
+
+async def samples(text: str) -> Samples | None:
+    """`parse_metrics` in a thread: a large page costs the loop only its share of the GIL."""
+    try:
+        return await threads.in_thread(lambda: parse_metrics(text), PARSE_TIMEOUT_S)
+    except TimeoutError:
+        return None
+
+
+async def fetch_samples(
+    client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
+) -> Samples | None:
+    """SGLang's /metrics, parsed (`samples`), or None."""
+    text = await fetch_metrics(client, base_url, timeout)
+    return None if text is None else await samples(text)
 
 
 async def server_info(

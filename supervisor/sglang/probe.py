@@ -396,8 +396,8 @@ def progress_of(samples: endpoints.Samples) -> Progress | None:
 async def read_progress(
     client: httpx.AsyncClient, base_url: str, timeout: float = 2.0
 ) -> Progress | None:
-    text = await endpoints.fetch_metrics(client, base_url, timeout)
-    return None if text is None else parse_progress(text)
+    samples = await endpoints.fetch_samples(client, base_url, timeout)
+    return None if samples is None else progress_of(samples)
 
 
 # What the probe itself adds to the realtime counter besides its generated tokens: its prompt,

@@ -144,7 +144,7 @@ class Warm:
             plan = await threads.in_thread(
                 lambda: prewarm.plan(files, available, headroom), PLAN_TIMEOUT_S
             )
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, MemoryError) as exc:  # a plan is never worth a stop
             self.log.warning("prewarm skipped", error=repr(exc))
             return
         p = r.progress = prewarm.Progress(

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -64,15 +66,28 @@ PAGE = mmap.PAGESIZE
 _LOW_BIT = bytes(b & 1 for b in range(256))
 
 
-def resident_pages(path: str | os.PathLike[str]) -> tuple[bytearray, int]:
-    """(one byte per page: 1 if in the page cache, the file's size). Maps nothing writable
-    and faults nothing in."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A weight file's descriptor, only if it is a regular file (after links: a model
+    directory of the hub's cache is links to blobs). Never waits on a FIFO (O_NONBLOCK);
+    OSError otherwise, as for a file that cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
+def resident_pages(path: str | os.PathLike[str], limit: int | None = None) -> tuple[bytearray, int]:
+    """(one byte per page of the file's first `limit` bytes (all: None): 1 if in the page
+    cache, the file's size). Maps nothing writable and faults nothing in. The vector is sized
+    by `limit`, never by what the file claims to hold (a sparse file can claim an exbibyte)."""
+    fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        pages = bytearray((size + PAGE - 1) // PAGE)
-        for start in range(0, size, MINCORE_WINDOW):
-            length = min(MINCORE_WINDOW, size - start)
+        probed = size if limit is None else min(size, max(0, limit))
+        pages = bytearray((probed + PAGE - 1) // PAGE)
+        for start in range(0, probed, MINCORE_WINDOW):
+            length = min(MINCORE_WINDOW, probed - start)
             addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
             if addr is None or addr == _MAP_FAILED:
                 err = ctypes.get_errno()
@@ -88,6 +103,42 @@ def resident_pages(path: str | os.PathLike[str]) -> tuple[bytearray, int]:
             finally:
                 _libc.munmap(addr, length)
         return pages, size
+    finally:
+        os.close(fd)
+
+
+MAX_EXTENTS = 4096  # data regions looked up per file; past them the rest counts as data
+
+
+def data_ranges(path: str | os.PathLike[str], limit: int) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of the file's first `limit` bytes that hold data, not holes
+    (SEEK_DATA / SEEK_HOLE): a sparse file's holes are nothing SGLang reads from disk, and a
+    file that claims an exbibyte and holds nothing has nothing to prewarm. A file system that
+    cannot tell reports the whole file as data (the kernel's generic answer); one that refuses
+    the question, likewise."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return [(0, limit)]
+    try:
+        out: list[tuple[int, int]] = []
+        pos = 0
+        while pos < limit:
+            if len(out) >= MAX_EXTENTS:
+                out.append((pos, limit))
+                break
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data after pos
+                    break
+                return [(0, limit)]
+            if start >= limit:
+                break
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), limit)
+            out.append((start, end))
+            pos = end
+        return out
     finally:
         os.close(fd)
 
@@ -108,6 +159,8 @@ def weight_files(model_paths: Iterable[str]) -> list[Path]:
         p = Path(model)
         if not p.is_dir():
             continue
+        # is_file() follows links (the hub's cache) and leaves out FIFOs, devices, directories;
+        # each file is opened again as a regular file only (`open_regular`).
         out.extend(sorted(f for f in p.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()))
     return out
 
@@ -137,33 +190,55 @@ def plan(
     files: Iterable[Path],
     available: int,
     headroom: int,
-    residency: Callable[[Path], tuple[bytearray, int]] | None = None,
+    residency: Callable[[Path, int], tuple[bytearray, int]] | None = None,
+    extents: Callable[[Path, int], list[tuple[int, int]]] | None = None,
 ) -> Plan:
     """The chunks to read: each one with a page not yet resident, in file order, until the
-    budget (available - headroom) is spent."""
+    budget (available - headroom) is spent.
+
+    Each file is probed only as far as a chunk could still be planned: the budget left plus
+    `available` (what of it may already be resident: clean page cache counts as available).
+    What lies beyond is counted in `total` and, unprobed, in `skipped_for_memory`. So the work
+    and the vectors are bounded by memory, not by file sizes (a 1 EiB sparse file is one
+    bounded probe). Chunks holding no data (a sparse file's holes, `data_ranges`) are not
+    planned at all."""
     residency = residency or resident_pages  # looked up now: tests record the real one
+    extents = extents or data_ranges
     budget = max(0, available - headroom)
     chunks: list[Chunk] = []
     total = resident = planned = left_out = 0
     per_chunk = CHUNK // PAGE
     for path in files:
         try:
-            pages, size = residency(path)
+            pages, size = residency(path, budget - planned + max(0, available))
         except OSError:
-            continue  # unreadable here; SGLang will say so itself
+            continue  # unreadable here, or not a regular file; SGLang will say so itself
         total += size
-        resident += min(size, pages.count(1) * PAGE)
-        for offset in range(0, size, CHUNK):
+        probed = min(size, len(pages) * PAGE)
+        resident += min(probed, pages.count(1) * PAGE)
+        left_out += size - probed
+        data = extents(path, probed)
+        for offset in _chunk_offsets(data):
             first = offset // PAGE
             if 0 not in pages[first : first + per_chunk]:
                 continue
-            length = min(CHUNK, size - offset)
+            length = min(CHUNK, probed - offset)
             if planned + length > budget:
                 left_out += length
                 continue
             chunks.append(Chunk(path, offset, length))
             planned += length
     return Plan(chunks, total, resident, budget, left_out)
+
+
+def _chunk_offsets(data: list[tuple[int, int]]) -> Iterable[int]:
+    """The offsets of the chunks (CHUNK-aligned) that hold any of the data ranges, in order."""
+    last = -1
+    for start, end in data:
+        for offset in range(start - start % CHUNK, end, CHUNK):
+            if offset > last:
+                last = offset
+                yield offset
 
 
 # ------------------------------------------------------------------ reading
@@ -243,7 +318,7 @@ class Readers:
             while (chunk := self._next(done)) is not None:
                 fd = fds.get(chunk.path)
                 if fd is None:
-                    fd = fds[chunk.path] = os.open(chunk.path, os.O_RDONLY | os.O_CLOEXEC)
+                    fd = fds[chunk.path] = open_regular(chunk.path)
                 done = 0
                 while done < chunk.length and not self.stop.is_set():
                     n = os.preadv(fd, [view[: chunk.length - done]], chunk.offset + done)

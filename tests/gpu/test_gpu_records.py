@@ -155,6 +155,21 @@ def test_a_record_with_an_unsafe_owner_or_mode_is_ignored_with_a_warning(
     assert code == 1
 
 
+def test_a_record_with_a_number_of_hundreds_of_digits_is_no_record(
+    state: Path, service_uid: int, procs: Procs
+) -> None:
+    # float() of a 401-digit integer raises OverflowError, which no reader expected: root's
+    # gpu-clean ended with a traceback. Now it is a file that is not a launch record.
+    job = procs.start("notebook.py", "--sim-gpu", "0", user=service_uid)
+    forge(state, service_uid, [ProcessIdentity(job.pid, 10**400)])
+
+    code, text = gpu_clean(state, procs)
+
+    assert alive(job), text
+    assert f"warning: {state / RECORD_FILE} is not a launch record: ignored" in text, text
+    assert code == 1
+
+
 def test_a_listed_process_without_gpu_memory_or_evidence_is_not_killed(
     state: Path, service_uid: int, procs: Procs
 ) -> None:

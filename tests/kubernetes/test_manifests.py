@@ -15,6 +15,7 @@ No cluster runs here. What is checked, offline:
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -572,3 +573,46 @@ def test_the_token_directory_is_the_daemons_own_inside_a_0777_emptydir(
         state = mount / Path(cfg.state_dir).name
         RecordStore(str(state)).check_writable()  # what the daemon does first at start
         admin_token.check_directory(state)  # then the token can go there
+
+
+def test_the_cache_volume_as_the_kubelet_leaves_it_passes_the_cache_owner_check(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The check `check`, `preflight` and the daemon make of warm.cache_dir (a directory
+    another user can write is refused: SGLang runs the kernels it finds there), held to each
+    pod as the kubelet makes its volumes: the `cache` claim root's and, with fsGroup, of that
+    group, setgid and group-writable (2775); an emptyDir 0777."""
+    from supervisor.sglang import caches
+
+    for role, template in templates(rendered).items():
+        spec = template["spec"]
+        pod = spec["securityContext"]
+        c = container(template)
+        cfg = dict(configs(rendered))[role]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        claims = {t["metadata"]["name"] for t in _claim_templates(rendered, role)}
+        name = mounts[cfg.warm.cache_dir]
+        # A claim of its own (not an emptyDir, which is 0777 and would be refused).
+        assert name in claims and name not in volumes, (role, name)
+        mount = tmp_path / role
+        mount.mkdir()
+        group = pod.get("fsGroup", 0)
+        if os.geteuid() == 0:
+            os.chown(mount, 0, group)
+        mount.chmod(0o2775 if "fsGroup" in pod else 0o755)
+        st = mount.stat()
+        uids = frozenset({0, pod["runAsUser"]})
+        gids = frozenset({pod.get("runAsGroup", 0), group, st.st_gid})
+        assert caches.owner_problem(str(mount), uids, gids) is None, role
+        empty = tmp_path / f"{role}-emptydir"
+        empty.mkdir()
+        empty.chmod(0o777)  # what the kubelet makes of an emptyDir
+        assert "writable by every user" in (caches.owner_problem(str(empty), uids, gids) or "")
+
+
+def _claim_templates(rendered: dict[str, list[dict[str, Any]]], role: str) -> list[dict[str, Any]]:
+    if role == "one-node":
+        return one(rendered["one-node"], "StatefulSet")["spec"]["volumeClaimTemplates"]
+    lws = one(rendered["multi-node"], "LeaderWorkerSet")
+    return lws["spec"]["leaderWorkerTemplate"].get("volumeClaimTemplates", [])

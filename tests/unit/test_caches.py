@@ -11,6 +11,8 @@ import yaml
 from supervisor import cli, config, preflight
 from supervisor.sglang import caches
 from supervisor.sglang.caches import Mount
+from testkit.cli import kimi_serve
+from testkit.users import system_user
 
 # A real mountinfo's shapes (proc(5)): the root, a tmpfs /dev/shm, a unit's PrivateTmp bind.
 MOUNTINFO = """\
@@ -154,3 +156,59 @@ def test_warm_section_defaults_and_yaml_off() -> None:
     with pytest.raises(config.ConfigError) as bad:
         config.parse(text.replace("prewarm: off", "prewarm: always"), "x.yaml")
     assert "x.yaml:3: warm.prewarm: 'always' is not one of auto, off" in bad.value.render()
+
+
+# ------------------------------------------------------------------ who may write them
+
+OTHER_USER = "kimi-serve-test-other"
+
+
+def test_a_cache_dir_of_another_user_is_refused_by_check_preflight_and_the_daemon(
+    tmp_path: Path,
+) -> None:
+    """Root's SGLang would load compiled kernels from directories that user can replace."""
+    other = system_user(OTHER_USER)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o755)
+    os.chown(cache, other.pw_uid, other.pw_gid)
+    path = _config(tmp_path, cache)
+    done = kimi_serve("check", "--config", str(path))
+    assert done.returncode == 78, done.stderr
+    line = f"{path}:{config.load(str(path)).key_lines['warm.cache_dir']}: warm.cache_dir: "
+    assert line in done.stderr and f"belongs to uid {other.pw_uid}" in done.stderr, done.stderr
+    check = preflight.check_caches(config.load(str(path)))
+    assert not check.ok and f"{cache} belongs to uid {other.pw_uid}" in check.message, check
+    run = kimi_serve("run", "--config", str(path))
+    assert run.returncode == 78 and "warm.cache_dir" in run.stderr, run.stderr
+    # Made root's again, the same directory passes.
+    os.chown(cache, 0, 0)
+    assert kimi_serve("check", "--config", str(path)).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [(0o777, "writable by every user"), (0o775, "writable by group")],
+)
+def test_a_cache_dir_others_may_write_is_refused(tmp_path: Path, mode: int, why: str) -> None:
+    other = system_user(OTHER_USER)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chown(cache, 0, other.pw_gid)  # a group the service user (root here) is not in
+    cache.chmod(mode)
+    done = kimi_serve("check", "--config", str(_config(tmp_path, cache)))
+    assert done.returncode == 78 and why in done.stderr, done.stderr
+
+
+def test_a_sticky_parent_is_no_problem_but_a_link_to_a_foreign_dir_is(tmp_path: Path) -> None:
+    other = system_user(OTHER_USER)
+    uids, gids = frozenset({0}), frozenset({0})
+    # /tmp-like: 1777 above a directory of our own (the daemon makes a missing one 0700).
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert caches.owner_problem(str(sticky / "cache"), uids, gids) is None
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, other.pw_uid, other.pw_gid)
+    (tmp_path / "link").symlink_to(foreign)
+    assert "belongs to uid" in (caches.owner_problem(str(tmp_path / "link"), uids, gids) or "")

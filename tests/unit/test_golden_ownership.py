@@ -18,6 +18,7 @@ import pytest
 from supervisor import cli
 from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key
+from testkit.cli import kimi_serve
 from testkit.gpu import SYSTEM_PYTHON
 from testkit.users import system_user
 
@@ -170,3 +171,49 @@ def test_a_fifo_or_a_link_for_last_json_is_no_answer(
     (canary / "last.json").symlink_to("/dev/zero")  # endless
     assert cli.main(["canary", "accept", "--config", config]) == 1
     assert "no canary answer received" in capsys.readouterr().err
+
+
+# Numbers the service user may write that Python's json takes and the reader then chokes on:
+# NaN and Infinity (no JSON), 1e999 (infinite), 1e300 (finite, no date), a 401-digit integer
+# (`math.isfinite` of it raises OverflowError). Each was `internal error: OverflowError` (or a
+# ValueError) from root's `canary show` / `accept`.
+_HOSTILE_NUMBERS = {
+    "learned_at NaN": ('"learned_at": 1.0', '"learned_at": NaN'),
+    "learned_at 1e300": ('"learned_at": 1.0', '"learned_at": 1e300'),
+    "learned_at 1e999": ('"learned_at": 1.0', '"learned_at": 1e999'),
+    "a margin of 401 digits": ('"margins": [4.0', '"margins": [' + "9" * 401),
+    "max_tokens of 401 digits": ('"max_tokens": 16', '"max_tokens": ' + "9" * 401),
+    "tokens_per_second Infinity": ('"tokens_per_second": null', '"tokens_per_second": Infinity'),
+}
+
+_WRITE_AS_SERVICE = """
+import sys
+open(sys.argv[1], "w").write(sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("what", list(_HOSTILE_NUMBERS))
+def test_hostile_numbers_in_the_store_are_no_answer_for_roots_cli(
+    received: tuple[int, int, Path, str], what: str
+) -> None:
+    uid, gid, canary, config = received
+    text = (canary / "last.json").read_text()
+    old, new = _HOSTILE_NUMBERS[what]
+    assert old in text, text
+    hostile = text.replace(old, new, 1)
+    for name in ("last.json", f"golden-{KEY}.json"):  # written by the service user itself
+        subprocess.run(
+            [SYSTEM_PYTHON, "-c", _WRITE_AS_SERVICE, str(canary / name), hostile],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            check=True,
+            timeout=60,
+            cwd="/",
+        )
+    for action, code in (("show", 0), ("accept", 1)):
+        done = kimi_serve("canary", action, "--config", config)  # never a traceback
+        said = done.stdout + done.stderr
+        assert "internal error" not in said, said
+        assert done.returncode == code, said
+    assert CanaryStore(str(canary)).last() is None and CanaryStore(str(canary)).goldens() == []

@@ -36,3 +36,12 @@ def test_a_profile_removed_by_a_reload_does_not_stay_at_one() -> None:
     assert sample(m, "kimi_serve_profile_info", profile="fallback") is None
     assert sample(m, "kimi_serve_profile_info", profile="primary") == 1.0
     assert sample(m, "kimi_serve_profile_info", profile="safe") == 0.0
+
+
+def test_the_sglang_version_label_is_bounded_and_printable() -> None:
+    # SGLang's /server_info names its version; a hostile server could name a megabyte.
+    m = Metrics(CollectorRegistry())
+    m.set_sglang_version("0.5.23\n" + "x" * (1 << 20))
+    text = m.render().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("kimi_serve_build_info{")]
+    assert len(line) < 200 and 'sglang_version="0.5.23' in line, line[:300]

@@ -49,8 +49,8 @@ def _recorded_residency(
     seen: list[tuple[Path, bytearray, int]] = []
     real = prewarm.resident_pages
 
-    def recording(path: str | os.PathLike[str]) -> tuple[bytearray, int]:
-        pages, size = real(path)
+    def recording(path: str | os.PathLike[str], limit: int | None = None) -> tuple[bytearray, int]:
+        pages, size = real(path, limit)
         seen.append((Path(path), pages, size))
         return pages, size
 
@@ -112,7 +112,7 @@ def test_the_plan_reads_only_chunks_with_a_page_missing() -> None:
     path = Path("w.safetensors")
 
     def plan_for(pages: bytearray) -> list[int]:
-        got = prewarm.plan([path], 1 << 50, 0, residency=lambda _: (pages, size))
+        got = prewarm.plan([path], 1 << 50, 0, residency=lambda *_: (pages, size))
         return [c.offset for c in got.chunks]
 
     assert plan_for(bytearray(b"\x01") * n) == []  # everything resident: nothing to read
@@ -121,7 +121,7 @@ def test_the_plan_reads_only_chunks_with_a_page_missing() -> None:
     one_missing[3 * per_chunk + 7] = 0
     one_missing[n - 1] = 0
     assert plan_for(one_missing) == [3 * prewarm.CHUNK, 4 * prewarm.CHUNK]
-    last = prewarm.plan([path], 1 << 50, 0, residency=lambda _: (one_missing, size)).chunks[-1]
+    last = prewarm.plan([path], 1 << 50, 0, residency=lambda *_: (one_missing, size)).chunks[-1]
     assert last.length == prewarm.CHUNK - 3 * prewarm.PAGE
 
 

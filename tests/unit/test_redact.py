@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -281,3 +282,48 @@ def test_a_key_link_another_user_planted_is_not_followed(tmp_path: Path) -> None
     os.lchown(link, 65534, 65534)
     with pytest.raises(sglang_key.KeyFileError, match="link"):
         sglang_key.read(str(link), owners=())
+
+
+# ------------------------------------------------------------------ linear in the line
+
+# Lines that made a pattern of this module backtrack, or search from every position: the
+# quoted item's value (`\\.` or any character: two ways per backslash; 40 backslashes stalled
+# the loop for 24 s), and the cheap test's names (`key` x 5000 then `'`; `-` x 16000 then
+# `key`). Each is cut to MAX_LINE_BYTES first and must cost well under a millisecond a KiB.
+HOSTILE_LINES = {
+    "quoted value of backslashes": "'api_key': '" + "\\" * 40,
+    "quoted value of backslashes, cut": "'api_key': '" + "\\" * 100_000,
+    "an odd backslash at the end": "'api_key': '" + "\\" * 16_001,
+    "names of key": "key" * 5_000 + "'",
+    "a flag of dashes": "--" + "-" * 16_000 + "key",
+    "quoted heads": "'api_key': '" * 1_300,
+    "keyword heads": "api_key=' " * 1_600,
+    "a name without its quote": "'" + "a" * 16_000 + "key",
+}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_LINES))
+def test_every_pattern_is_linear_on_a_hostile_line(what: str) -> None:
+    text = HOSTILE_LINES[what]
+    start = time.perf_counter()
+    out = redact.line(text)
+    took = time.perf_counter() - start
+    assert len(out.encode()) <= 3 * redact.MAX_LINE_BYTES  # <redacted> may outgrow a value
+    assert took < 0.05, f"{what}: {took * 1000:.1f} ms"  # exponential: seconds to hours
+
+
+def test_a_secret_cut_at_the_line_limit_is_still_redacted() -> None:
+    pad = "x" * (redact.MAX_LINE_BYTES - 30)
+    out = redact.line(f"server_args={{{pad}, 'api_key': 'sk-0123456789abcdef0123456789'}}")
+    assert "'api_key': '<redacted>" in out and "sk-0123" not in out, out[-80:]
+    assert out.endswith("bytes cut]"), out[-40:]
+
+
+def test_a_document_deeper_than_the_limit_is_redacted_not_recursed() -> None:
+    doc: object = {"api_key": "sk-1"}
+    for _ in range(5000):
+        doc = {"a": doc}
+    out = redact.document(doc)
+    for _ in range(redact.MAX_DEPTH):
+        out = out["a"]
+    assert out == redact.REDACTED
