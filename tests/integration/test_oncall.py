@@ -16,6 +16,7 @@ import pytest
 from supervisor.config import DEFAULT_CONFIG_PATH
 from testkit import BIN, base_config, running
 from testkit.cli import kimi_serve
+from testkit.daemon import primary_crashes_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,13 +77,7 @@ def test_restart_wait_follows_the_new_launch_to_ready(tmp_path: Path) -> None:
 
 
 def test_restart_wait_on_the_fallback_is_6(tmp_path: Path) -> None:
-    cfg = base_config(
-        tmp_path,
-        sglang={"env": {"STANDIN_FAULT": "crash-during-load"}},
-        profiles={"fallback": {"env": {"STANDIN_FAULT": None}}},
-        restart={"crash_loop": {"max_restarts": 2, "window": "1h"}, "fallback_profile": "fallback"},
-    )
-    with running(tmp_path, cfg) as d:
+    with running(tmp_path, primary_crashes_config(tmp_path)) as d:
         d.wait_for(lambda e: e.get("event") == "state" and e.get("new") == "ready", 60, "ready")
         assert d.status()["profile"] == "fallback"
         # Back to primary, which still crashes: the crash loop sends it to the fallback again.
