@@ -17,9 +17,11 @@ from supervisor.config import Config, ConfigError
 from supervisor.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_OK
 
 # `status` has its own (0 ready, 3 not ready, 4 unreachable, also when the port is held by
-# another user): see supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs
-# (0, 1 refused, 4 unreachable, 5 the port held by another user, 77 no permission):
-# supervisor/admin/control_commands.py.
+# another user; 77 a token file it may read but cannot use): see
+# supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
+# 4 unreachable, 5 the port held by another user, 77 no permission; with --wait those of
+# supervisor/admin/wait.py): supervisor/admin/control_commands.py. Every command's --help
+# ends with its own (EXITS).
 
 
 class _Parser(argparse.ArgumentParser):
