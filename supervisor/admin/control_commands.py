@@ -87,7 +87,7 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
             )
         return EX_NOPERM
     trusted = admin_token.service_uids(token_file)
-    started = time.monotonic()
+    started, sent_at = time.monotonic(), time.time()
     try:
         r = adminclient.request(
             "POST",
@@ -130,15 +130,22 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
         print(render_answer(command, r.status, doc), file=out)
 
     def status() -> dict[str, Any]:
-        a = adminclient.request("GET", base, "/status", trusted=trusted, token=token)
-        got = a.json() if a.status == 200 else None
+        try:
+            a = adminclient.request("GET", base, "/status", trusted=trusted, token=token)
+            got = a.json() if a.status == 200 else None
+        except (adminclient.NotTheService, ValueError) as exc:
+            # Another user's socket took the port meanwhile, or the answer is not JSON: no
+            # status to trust, so as good as unreachable.
+            raise adminclient.Unreachable(str(exc)) from None
         if not isinstance(got, dict):
             raise adminclient.Unreachable(f"/status answered HTTP {a.status}")
         return got
 
     launch = doc.get("launch")
     goal = waiting.Goal(
-        launch=launch if isinstance(launch, int) else 0, registered=command == "undrain"
+        launch=launch if isinstance(launch, int) else 0,
+        registered=command == "undrain",
+        sent_at=sent_at,
     )
     left = None if req.timeout is None else max(0.0, req.timeout - (time.monotonic() - started))
     last: dict[str, Any] = {}

@@ -59,6 +59,9 @@ class Goal:
     launch: int = 0
     registered: bool = False
     handover: bool = False
+    # When the request was sent (unix s): a state entered later is the request's doing, even
+    # one the first poll already finds (a restart from `failed` that failed again at once).
+    sent_at: float = 0.0
 
 
 def _launch(doc: dict[str, Any]) -> int:
@@ -180,7 +183,9 @@ def follow(
             if first is None:
                 first = key
                 bound = default_timeout(doc) if timeout is None else timeout
-            fresh = fresh or key[:2] != first[:2] or _launch(doc) >= goal.launch > 0
+            since = doc.get("since")
+            entered = isinstance(since, int | float) and since >= goal.sent_at > 0
+            fresh = fresh or entered or key[:2] != first[:2] or _launch(doc) >= goal.launch > 0
             waited = clock() - start
             line = progress_line(doc, waited)
             if tty:

@@ -82,6 +82,27 @@ def test_failed_names_the_reason_and_the_incident_once_fresh() -> None:
     )
 
 
+def test_a_failure_entered_after_the_request_is_its_outcome_from_the_first_poll() -> None:
+    st = doc("failed", 7, since=1000.0, detail="GPU 0 needs a reset")
+    now = [0.0]
+    get = iter([st]).__next__
+    outcome = wait.follow(
+        get, Goal(launch=8, sent_at=999.5), 60.0, io.StringIO(), clock=lambda: now[0]
+    )
+    assert outcome == wait.Outcome(1, "failed: GPU 0 needs a reset")
+    # One that predates the request is not (the wait would go on: here, past the script).
+    get = iter([{**st, "since": 900.0}]).__next__
+    with pytest.raises(StopIteration):
+        wait.follow(
+            get,
+            Goal(launch=8, sent_at=999.5),
+            60.0,
+            io.StringIO(),
+            clock=lambda: now[0],
+            sleep=lambda s: None,
+        )
+
+
 def test_the_progress_line_shows_phase_budget_and_restarts() -> None:
     loading = {"launch": 5, "phase": "weights", "elapsed_s": 90.0, "load_timeout_s": 600.0}
     st = doc("loading", 5, loading=loading, restarts={"manual": 2, "exited": 1})
