@@ -197,3 +197,33 @@ def test_the_load_timeline_names_the_phase_it_is_in(lines: list[str], phase: str
     assert t.current() == phase
     t.probe_ok(99.0)
     assert t.current() == "done"
+
+
+def test_drain_and_undrain_answers_read_like_status() -> None:
+    from supervisor.admin.control_commands import render_answer
+
+    router = {
+        "url": "http://r:30000",
+        "worker_url": "http://10.0.0.5:30000",
+        "registered": False,
+        "wanted": False,
+        "worker_id": None,
+        "last_error": None,
+    }
+    busy = {"idle": False, "waited_s": 30.0, "running": 2, "queued": 1, "error": "not idle"}
+    text = render_answer("drain", 200, {"drained": True, "router": router, "drain": busy})
+    assert text.splitlines() == [
+        "● drain done",
+        "    Router: http://r:30000 as http://10.0.0.5:30000, not registered (not ready)",
+        " In flight: NOT IDLE after 30.0 s (2 running, 1 queued)",
+        "            not idle",
+        "      Next: `kimi-serve undrain` (or a restart) puts it back",
+    ]
+    wanted = {**router, "wanted": True}
+    text = render_answer("undrain", 200, {"undrained": True, "router": wanted})
+    assert text.splitlines()[1].endswith(
+        "NOT REGISTERED (wanted: registering, retried with backoff)"
+    )
+    assert render_answer("restart", 202, {"accepted": True, "launch": 9}).startswith(
+        "restart accepted: launch 9 on the primary profile"
+    )
