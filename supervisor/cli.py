@@ -14,12 +14,14 @@ from typing import Any, TextIO, cast
 from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
-from supervisor.exits import EX_CONFIG, EX_FAIL, EX_OK
+from supervisor.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_OK
 
 # `status` has its own (0 ready, 3 not ready, 4 unreachable, also when the port is held by
-# another user): see supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs
-# (0, 1 refused, 4 unreachable, 5 the port held by another user, 77 no permission):
-# supervisor/admin/control_commands.py.
+# another user; 77 a token file it may read but cannot use): see
+# supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
+# 4 unreachable, 5 the port held by another user, 77 no permission; with --wait those of
+# supervisor/admin/wait.py): supervisor/admin/control_commands.py. Every command's --help
+# ends with its own (EXITS).
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,28 +41,64 @@ def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor.sglang import argv as command
-
+    if args.json:
+        return _check_json(args, out)
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    for warning in config_mod.launch_warnings(cfg):
-        print(f"warning: {warning}", file=err)
-    from supervisor import router
-
-    clear = router.key_in_clear(cfg.router)
-    for warning in [*config_mod.warnings(cfg), *([clear] if clear else [])]:
-        print(f"{cfg.path}: warning: {warning}", file=err)
-    for problem in command.cache_problems(cfg):
-        print(f"{cfg.path}: warning: warm.cache_dir: {problem}", file=err)
-    owners = command.cache_owner_problems(cfg)
-    line = cfg.key_lines.get("warm.cache_dir")
+    for warning in _check_warnings(cfg):
+        print(warning, file=err)
+    owners = _cache_owner_errors(cfg)
     for problem in owners:
-        print(f"{cfg.path}:{line or ''}: warm.cache_dir: {problem}".replace(":: ", ": "), file=err)
+        where = f"{cfg.path}:{problem['line']}" if problem["line"] else cfg.path
+        print(f"{where}: {problem['key']}: {problem['message']}", file=err)
     if owners:
         return EX_CONFIG
     print("ok", file=out)
     return EX_OK
+
+
+def _cache_owner_errors(cfg: Config) -> list[dict[str, Any]]:
+    """A cache directory another user could write is a config error (docs/security.md)."""
+    from supervisor.sglang import argv as command
+
+    line = cfg.key_lines.get("warm.cache_dir")
+    return [
+        {"key": "warm.cache_dir", "line": line, "message": problem}
+        for problem in command.cache_owner_problems(cfg)
+    ]
+
+
+def _check_warnings(cfg: Config) -> list[str]:
+    from supervisor import router
+    from supervisor.sglang import argv as command
+
+    clear = router.key_in_clear(cfg.router)
+    return [
+        *(f"warning: {w}" for w in config_mod.launch_warnings(cfg)),
+        *(
+            f"{cfg.path}: warning: {w}"
+            for w in [*config_mod.warnings(cfg), *([clear] if clear else [])]
+        ),
+        *(f"{cfg.path}: warning: warm.cache_dir: {p}" for p in command.cache_problems(cfg)),
+    ]
+
+
+def _check_json(args: argparse.Namespace, out: TextIO) -> int:
+    """`check --json`: {ok, config, errors [{key, line, message}], warnings}; 0 / 78 as without."""
+    import json
+
+    path = config_mod.resolve_path(args.config)
+    try:
+        cfg = config_mod.load(path)
+    except ConfigError as exc:
+        errors = [{"key": i.path, "line": i.line, "message": i.message} for i in exc.issues]
+        print(json.dumps({"ok": False, "config": path, "errors": errors, "warnings": []}), file=out)
+        return EX_CONFIG
+    owners = _cache_owner_errors(cfg)
+    doc = {"ok": not owners, "config": cfg.path, "errors": owners, "warnings": _check_warnings(cfg)}
+    print(json.dumps(doc), file=out)
+    return EX_CONFIG if owners else EX_OK
 
 
 def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -215,29 +253,51 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
-        token = _token_if_readable(args.token_file)
+        try:
+            token = _token_if_readable(args.token_file)
+        except admin_token.TokenFileError as exc:
+            print(f"kimi-serve status: {exc.message}", file=err)
+            return EX_NOPERM
         trusted = admin_token.service_uids(args.token_file) if args.token_file else None
         return status.run_status_command(args.url, args.json, out, err, token, trusted)
-    cfg = _load(args, err)
-    if cfg is None:
-        return EX_CONFIG
-    token_file = args.token_file or cfg.admin.token_file
-    token = _token_if_readable(token_file)
-    base = f"http://{cfg.admin.listen}"
+    path = config_mod.resolve_path(args.config)
+    if path == config_mod.DEFAULT_CONFIG_PATH and not os.path.lexists(path):
+        # No config here (a host set up by hand, a container): the defaults of the shipped
+        # config, said on stderr so nobody mistakes them for the service's.
+        from supervisor.config import settings
+
+        base = f"http://{settings.setting('admin.listen').default}"
+        token_file = args.token_file or config_mod.default_token_file("")
+        print(
+            f"kimi-serve status: no config file {path}; asking {base} "
+            f"with the token file {token_file} (the defaults; --config FILE for others)",
+            file=err,
+        )
+    else:
+        cfg = _load(args, err)
+        if cfg is None:
+            return EX_CONFIG
+        token_file = args.token_file or cfg.admin.token_file
+        base = f"http://{cfg.admin.listen}"
+    try:
+        token = _token_if_readable(token_file)
+    except admin_token.TokenFileError as exc:
+        print(f"kimi-serve status: {exc.message}", file=err)
+        return EX_NOPERM
     trusted = admin_token.service_uids(token_file)
     return status.run_status_command(base, args.json, out, err, token, trusted)
 
 
 def _token_if_readable(path: str | None) -> str | None:
-    """`status` uses the token when this user may read it, and goes without it silently."""
+    """`status` uses the token when this user may read it, and goes without it silently
+    when the file is absent or not this user's to read. One it may read but that is not a
+    usable token file (malformed, unsafe modes, a planted link) is TokenFileError: an error,
+    never quietly a status without the token."""
     from supervisor import secret_files as admin_token
 
-    if not path:
+    if not path or not os.path.exists(path) or not os.access(path, os.R_OK):
         return None
-    try:
-        return admin_token.read_for_client(path)
-    except admin_token.TokenFileError:
-        return None
+    return admin_token.read_for_client(path)
 
 
 def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -251,7 +311,22 @@ def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             return EX_CONFIG
         base = args.url or f"http://{cfg.admin.listen}"
         token_file = args.token_file or cfg.admin.token_file
-    return control.run_operation(args.command, base, token_file, args.timeout, out, err)
+    wait = bool(getattr(args, "wait", False))
+    answer = control.ANSWER_TIMEOUT[args.command]
+    timeout = args.timeout if args.timeout is not None else (None if wait else answer)
+    request = control.Request(
+        args.command, base, token_file, timeout, answer, as_json=args.json, wait=wait
+    )
+    return control.run(request, out, err)
+
+
+def _duration(text: str) -> float:
+    from supervisor.config.convert import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -292,6 +367,23 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     )
 
 
+# Each command's exit statuses, the epilog of its --help (README's CLI table says the same;
+# restart, drain and undrain: control_commands.EPILOG).
+EXITS = {
+    "run": "exit status: 0 after a clean stop, 78 bad config (or unsafe token file), 1 other fatal",
+    "check": "exit status: 0 valid, 78 invalid (every error printed)",
+    "preflight": "exit status: 0 host ready, 1 host not ready, 78 bad config",
+    "print-command": "exit status: 0, 78 bad config or unknown profile",
+    "probe": "exit status: 0 probe ok, 1 probe failed, 78 bad config",
+    "gpu-clean": "exit status: 0 clean, 1 leftovers that could not be removed, 78 bad config",
+    "status": "exit status: 0 ready (or degraded), 3 not ready, 4 unreachable (also: the admin "
+    "address held by another user), 77 the token file is not a usable token file, 78 bad config",
+    "incidents": "exit status: 0, 1 unknown or ambiguous ID, 2 show without an ID, 78 bad config",
+    "canary": "exit status: 0, 1 nothing to show or accept, 78 bad config",
+    "demo": "exit status: 0 on Ctrl-C or after --duration",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kimi-serve",
@@ -306,14 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
     token_help = "admin token file (default admin.token_file of the config)"
 
     def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXITS.get(name))
         p.set_defaults(func=func)
         if name != "demo":
             p.add_argument("--config", metavar="FILE", help=config_help)
         return p
 
     add("run", cmd_run, "run the daemon: own SGLang until SIGTERM/SIGINT")
-    add("check", cmd_check, "validate the config file; print ok or every error")
+    p = add("check", cmd_check, "validate the config file; print ok or every error")
+    p.add_argument("--json", action="store_true", help="print {ok, config, errors, warnings}")
     add(
         "preflight",
         cmd_preflight,
@@ -329,18 +422,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
     p.add_argument("--token-file", metavar="FILE", help=token_help)
-    from supervisor.admin.control_commands import WHAT
+    from supervisor.admin.control_commands import ANSWER_TIMEOUT, EPILOG, WHAT
 
-    for name, timeout in (("restart", 10.0), ("drain", 600.0), ("undrain", 30.0)):
+    for name, timeout in ANSWER_TIMEOUT.items():
         p = add(name, cmd_operation, WHAT[name])
+        p.epilog = EPILOG[name]
         p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
         p.add_argument("--token-file", metavar="FILE", help=token_help)
+        p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+        if name != "drain":
+            p.add_argument(
+                "--wait",
+                action="store_true",
+                help="wait until the new launch is ready"
+                + (" and registered with the router" if name == "undrain" else "")
+                + ", showing its progress",
+            )
         p.add_argument(
             "--timeout",
-            type=float,
-            default=timeout,
-            metavar="SECONDS",
-            help=f"how long to wait for the answer (default {timeout:g})",
+            type=_duration,
+            metavar="D",
+            help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
+            "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
+            if name != "drain"
+            else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
         )
     p = add(
         "incidents",

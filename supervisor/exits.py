@@ -16,6 +16,11 @@ EX_UNREACHABLE = 4
 # root, this user or the service user): nothing was sent to it and its answer is not trusted.
 # (`status` says EX_UNREACHABLE then: its statuses are the contract's 0 / 3 / 4.)
 EX_NOT_SERVICE = 5
+# `restart --wait`, `undrain --wait`: ready, but not as asked (supervisor/admin/wait.py): on the
+# fallback profile; on the rolled-back last known good; after a hand-over fell back to a restart.
+EX_READY_FALLBACK = 6
+EX_READY_ROLLED_BACK = 7
+EX_READY_RESTARTED = 8
 # restart.mode: exit — the exit status that asks an orchestrator to relaunch (sysexits'
 # EX_TEMPFAIL: "try again later"). Not 78 (EX_CONFIG), which the systemd unit lists in
 # RestartPreventExitStatus= and which means "do not retry"; not 1, which an internal error gives.

@@ -81,3 +81,6 @@ class Backend:
     def request_restart(self) -> str | None:
         self.restarts += 1
         return None
+
+    def next_launch(self) -> int:
+        return self.restarts + 1

@@ -87,6 +87,17 @@ def base_config(tmp: Path, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def primary_crashes_config(tmp: Path) -> dict[str, Any]:
+    """base_config whose primary profile crashes during every load and whose fallback loads:
+    after two crashes (the crash loop) the daemon serves on the fallback."""
+    return base_config(
+        tmp,
+        sglang={"env": {"STANDIN_FAULT": "crash-during-load"}},
+        profiles={"fallback": {"env": {"STANDIN_FAULT": None}}},
+        restart={"crash_loop": {"max_restarts": 2, "window": "1h"}, "fallback_profile": "fallback"},
+    )
+
+
 def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
     for k, v in new.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import httpx
 import psutil
-import pytest
 import yaml
 
 from supervisor.sglang.logscan import READY_LINE
@@ -69,6 +68,8 @@ class SGLangEnv:
 
 def build_env() -> SGLangEnv:
     """The built environment (tools/sglang-env; SGLANG_ENV_DIR chooses where), or a skip."""
+    import pytest  # here, not at the top: `python -m bench --help` runs without the test tools
+
     if os.environ.get("KIMI_SERVE_SKIP_SGLANG_ENV") == "1":
         pytest.skip("KIMI_SERVE_SKIP_SGLANG_ENV=1: real SGLang is not available here")
     tool = str(REPO_ROOT / "tools" / "sglang-env")
@@ -82,6 +83,8 @@ def _tool_output(name: str, argv: list[str]) -> str:
     """The last line tools/`name` printed (a path), or the test fails with its stderr."""
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
     if proc.returncode != 0:
+        import pytest
+
         pytest.fail(f"tools/{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout.strip().splitlines()[-1]
 

@@ -56,6 +56,8 @@ class AdminBackend(Protocol):
     def loop_healthy(self) -> bool: ...
     def render_metrics(self) -> bytes: ...
     def request_restart(self) -> str | None: ...
+    # The number of the launch a restart accepted now relaunches (POST /restart's `launch`).
+    def next_launch(self) -> int: ...
 
 
 # What /drain and /undrain call: a JSON-able answer (200), or Refused (409).
@@ -268,10 +270,12 @@ def build_app(
         return web.json_response(doc, dumps=_dumps)
 
     async def restart(_: web.Request) -> web.Response:
+        launch = backend.next_launch()
         refused = backend.request_restart()
         if refused:
             return web.json_response({"accepted": False, "error": refused}, status=409)
-        return web.json_response({"accepted": True}, status=202)
+        # `launch`: the relaunch's number; `restart --wait` waits for that one to be ready.
+        return web.json_response({"accepted": True, "launch": launch}, status=202)
 
     def operation(name: str, op: Operation | None) -> Callable[[web.Request], Awaitable[Any]]:
         async def run(_: web.Request) -> web.Response:

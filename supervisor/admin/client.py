@@ -114,7 +114,8 @@ def request(
         if len(body) > MAX_ANSWER_BYTES:
             raise Unreachable(f"an answer over {MAX_ANSWER_BYTES} bytes")
         return Answer(r.status, r.reason, body)
-    except (TimeoutError, OSError, http.client.HTTPException) as exc:
+    except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
+        # ValueError: http.client's InvalidURL (a --url with a space, a control character).
         raise Unreachable(str(exc) or type(exc).__name__) from None
     finally:
         conn.close()

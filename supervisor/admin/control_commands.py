@@ -4,16 +4,23 @@ daemon's admin endpoint, authenticated with the token of `admin.token_file`.
 Exit codes (README.md, CLI table): 0 done (or, for restart, accepted), 1 the daemon refused,
 does not support or failed the operation, 4 the daemon is unreachable, 5 the admin address is
 held by another user's socket (nothing sent: adminclient), 77 (EX_NOPERM) the token file
-cannot be read or the daemon rejected the token.
+cannot be read or the daemon rejected the token. With `--wait` (restart, undrain) the wait's
+own statuses follow an accepted request (supervisor/admin/wait.py: 0, 6, 7, 8, 1, 3, 4).
+`--json` prints the daemon's answer as JSON (with the wait's outcome under `wait`); the exit
+codes are the same.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TextIO
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 from supervisor import secret_files as admin_token
 from supervisor.admin import client as adminclient
+from supervisor.admin import wait as waiting
+from supervisor.admin.status_command import router_lines
 from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
 
 WHAT = {
@@ -31,47 +38,161 @@ def read_token(path: str, command: str, err: TextIO) -> str | None:
         return None
 
 
-def run_operation(
-    command: str, base: str, token_file: str, timeout: float, out: TextIO, err: TextIO
-) -> int:
+# How long each request waits for the daemon's answer by default (drain: the drain itself).
+ANSWER_TIMEOUT = {"restart": 10.0, "drain": 600.0, "undrain": 30.0}
+
+EPILOG = {
+    "restart": "exit status: 0 accepted (with --wait: ready on the primary profile), 1 refused "
+    "(with --wait: failed, the reason and incident printed), 4 unreachable, 5 the admin address "
+    "held by another user, 77 token unreadable or rejected, 78 bad config; with --wait also "
+    "6 ready on the fallback profile, 7 ready on the rolled-back last known good, 3 not ready "
+    "when --timeout ran out",
+    "drain": "exit status: 0 drained, 1 refused, failed or not supported, 4 unreachable, 5 the "
+    "admin address held by another user, 77 token unreadable or rejected, 78 bad config",
+    "undrain": "exit status: 0 undrained (with --wait: ready and registered), 1 refused or "
+    "failed, 3 not ready when --timeout ran out, 4 unreachable, 5 the admin address held by "
+    "another user, 77 token unreadable or rejected, 78 bad config; with --wait also 6 ready "
+    "on the fallback profile, 7 on the rolled-back last known good",
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One mutating command as the operator asked for it."""
+
+    command: str
+    base: str
+    token_file: str
+    timeout: float | None  # the answer's read timeout; with `wait` the whole wait's bound
+    answer_timeout: float
+    as_json: bool = False
+    wait: bool = False
+
+
+def run(req: Request, out: TextIO, err: TextIO) -> int:
+    command, base, token_file = req.command, req.base, req.token_file
+
+    def fail(code: int, message: str) -> int:
+        print(f"kimi-serve {command}: {message}", file=err)
+        if req.as_json:
+            print(json.dumps({"error": message, "exit": code}), file=out)
+        return code
+
     token = read_token(token_file, command, err)
     if token is None:
+        if req.as_json:
+            print(
+                json.dumps({"error": "the admin token file cannot be read", "exit": EX_NOPERM}),
+                file=out,
+            )
         return EX_NOPERM
+    trusted = admin_token.service_uids(token_file)
+    started, sent_at = time.monotonic(), time.time()
     try:
         r = adminclient.request(
             "POST",
             base,
             f"/{command}",
-            trusted=admin_token.service_uids(token_file),
+            trusted=trusted,
             token=token,
             timeout=5.0,
-            read_timeout=timeout,
+            read_timeout=req.answer_timeout if req.wait else req.timeout,
         )
     except adminclient.NotTheService as exc:
-        print(f"kimi-serve {command}: {exc}", file=err)
-        return EX_NOT_SERVICE
+        return fail(EX_NOT_SERVICE, str(exc))
     except adminclient.Unreachable as exc:
-        print(
-            f"kimi-serve {command}: cannot reach the daemon at {base} ({exc}); "
-            "is it running? (systemctl status kimi-serve)",
-            file=err,
+        return fail(
+            EX_UNREACHABLE,
+            f"cannot reach the daemon at {base} ({exc}); is it running? "
+            "(systemctl status kimi-serve)",
         )
-        return EX_UNREACHABLE
     if r.status == 401:
-        print(
-            f"kimi-serve {command}: the daemon rejected the token in {token_file} "
+        return fail(
+            EX_NOPERM,
+            f"the daemon rejected the token in {token_file} "
             "(another daemon on this port, or a config with another admin.token_file?)",
-            file=err,
         )
-        return EX_NOPERM
     try:
         doc = r.json()
     except ValueError:
         doc = {"error": r.text.strip()[:200]}
-    if r.status >= 300 or (isinstance(doc, dict) and doc.get("accepted") is False):
-        error = doc.get("error") if isinstance(doc, dict) else None
-        print(f"kimi-serve {command}: HTTP {r.status}: {error or r.reason}", file=err)
-        return EX_REFUSED
-    verb = "accepted" if r.status == 202 else "done"
-    print(f"{command} {verb}: {json.dumps(doc, default=str)}", file=out)
-    return EX_DONE
+    if not isinstance(doc, dict):
+        doc = {"answer": doc}
+    if r.status >= 300 or doc.get("accepted") is False:
+        return fail(EX_REFUSED, f"HTTP {r.status}: {doc.get('error') or r.reason}")
+    if not req.wait:
+        if req.as_json:
+            print(json.dumps(doc, default=str), file=out)
+        else:
+            print(render_answer(command, r.status, doc), file=out)
+        return EX_DONE
+    if not req.as_json:
+        print(render_answer(command, r.status, doc), file=out)
+
+    def status() -> dict[str, Any]:
+        try:
+            a = adminclient.request("GET", base, "/status", trusted=trusted, token=token)
+            got = a.json() if a.status == 200 else None
+        except (adminclient.NotTheService, ValueError) as exc:
+            # Another user's socket took the port meanwhile, or the answer is not JSON: no
+            # status to trust, so as good as unreachable.
+            raise adminclient.Unreachable(str(exc)) from None
+        if not isinstance(got, dict):
+            raise adminclient.Unreachable(f"/status answered HTTP {a.status}")
+        return got
+
+    launch = doc.get("launch")
+    goal = waiting.Goal(
+        launch=launch if isinstance(launch, int) else 0,
+        registered=command == "undrain",
+        sent_at=sent_at,
+    )
+    left = None if req.timeout is None else max(0.0, req.timeout - (time.monotonic() - started))
+    last: dict[str, Any] = {}
+
+    def get() -> dict[str, Any]:
+        nonlocal last
+        last = status()
+        return last
+
+    outcome = waiting.follow(get, goal, left, err)
+    if req.as_json:
+        wait_doc = {"exit": outcome.code, "outcome": outcome.message, "status": last}
+        print(json.dumps({**doc, "wait": wait_doc}, default=str), file=out)
+    else:
+        stream = out if outcome.code == EX_DONE else err
+        print(f"kimi-serve {command}: {outcome.message}", file=stream)
+    return outcome.code
+
+
+def render_answer(command: str, http_status: int, doc: dict[str, Any]) -> str:
+    """The daemon's answer in the style of `kimi-serve status`."""
+    if command == "restart":
+        launch = doc.get("launch")
+        which = f"launch {launch}" if isinstance(launch, int) else "a new launch"
+        return (
+            f"restart accepted: {which} on the primary profile (reason manual); "
+            "follow it with `kimi-serve status` or `kimi-serve restart --wait`"
+        )
+    lines = [f"● {command} {'accepted' if http_status == 202 else 'done'}"]
+    router = doc.get("router")
+    if isinstance(router, dict) and router.get("url"):
+        lines.extend(router_lines(router, time.time()))
+    elif doc.get("note"):
+        lines.append(f"    Router: {doc['note']}")
+    drain = doc.get("drain")
+    if isinstance(drain, dict):
+        waited = drain.get("waited_s")
+        waited_s = f"{waited:.1f} s" if isinstance(waited, int | float) else "-"
+        counts = f"{drain.get('running')} running, {drain.get('queued')} queued"
+        if drain.get("idle"):
+            lines.append(f" In flight: none (idle after {waited_s})")
+        else:
+            lines.append(f" In flight: NOT IDLE after {waited_s} ({counts})")
+        if drain.get("error"):
+            lines.append(f"            {drain['error']}")
+    if doc.get("waited_for"):
+        lines.append(f"Waited for: {doc['waited_for']}")
+    if command == "drain":
+        lines.append("      Next: `kimi-serve undrain` (or a restart) puts it back")
+    return "\n".join(lines)

@@ -52,6 +52,28 @@ def quality_line(q: object) -> str:
     return ", ".join(parts)
 
 
+def load_progress(loading: dict[str, Any]) -> list[str]:
+    """The phase of /status.loading and its seconds against load_timeout."""
+    parts = [f"phase {loading.get('phase')}"]
+    elapsed, budget = loading.get("elapsed_s"), loading.get("load_timeout_s")
+    if isinstance(elapsed, int | float) and isinstance(budget, int | float) and budget > 0:
+        share = f"{100 * elapsed / budget:.0f}%"
+        parts.append(f"{elapsed:.0f} s of load_timeout {budget:.0f} s ({share})")
+    return parts
+
+
+def loading_line(loading: object) -> str:
+    """/status.loading on one line: launch, phase, seconds against load_timeout, phases done."""
+    if not isinstance(loading, dict):
+        return ""
+    parts = [f"launch {loading.get('launch')}", *load_progress(loading)]
+    done = loading.get("phases")
+    if isinstance(done, dict) and done:
+        spans = (f"{k} {v:.0f} s" for k, v in done.items() if isinstance(v, int | float))
+        parts.append("done: " + ", ".join(spans))
+    return ", ".join(parts)
+
+
 def render(doc: dict[str, Any], now: float) -> str:
     out: list[str] = []
     state = doc.get("state", "?")
@@ -62,6 +84,9 @@ def render(doc: dict[str, Any], now: float) -> str:
     )
     if doc.get("detail"):
         out.append(f"    Detail: {doc['detail']}")
+    loading = loading_line(doc.get("loading"))
+    if loading:
+        out.append(f"   Loading: {loading}")
     out.append(f"   Profile: {doc.get('profile')}")
     child = doc.get("child")
     if child:
@@ -87,7 +112,7 @@ def render(doc: dict[str, Any], now: float) -> str:
             out.append(f"      peer {p.get('url')}: {seen}")
     if doc.get("reload_refused"):
         out.append(f"    Reload: REFUSED: {doc['reload_refused']}")
-    out.extend(_router_lines(doc.get("router"), now))
+    out.extend(router_lines(doc.get("router"), now))
     restarts = doc.get("restarts") or {}
     total = sum(restarts.values())
     by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items()))
@@ -177,7 +202,7 @@ def render(doc: dict[str, Any], now: float) -> str:
     return "\n".join(out)
 
 
-def _router_lines(router: Any, now: float) -> list[str]:
+def router_lines(router: Any, now: float) -> list[str]:
     """`/status.router`: where this SGLang is registered, or why not; nothing without
     router.url (`url` null; older daemons sent null for the whole object)."""
     if not isinstance(router, dict) or not router.get("url"):

@@ -417,6 +417,10 @@ class Daemon:
             self.emit(ev.RestartRequested(Reason.MANUAL))
         return refused
 
+    def next_launch(self) -> int:
+        # The request is queued; the launch it makes comes after every one made so far.
+        return self.machine.ctx.launch + 1
+
     def request_drain(self) -> str | None:
         # Dispatched here, not queued: the deregistration must have begun when /drain awaits it.
         refused = self.machine.drain_refusal()

@@ -340,6 +340,20 @@ class Observed:
             parts.append(f"- {note}")
         return " ".join(parts)[:400]
 
+    def loading(self) -> dict[str, Any] | None:
+        """/status.loading while a launch loads (launching, loading, warming): its launch
+        number, phase (SGLang's load markers), seconds since the launch and the load_timeout
+        they count against; None otherwise. `kimi-serve status` and `restart --wait` show it."""
+        ctx = self.ctx
+        if ctx.state not in (State.LAUNCHING, State.LOADING, State.WARMING):
+            return None
+        doc: dict[str, Any] = {"launch": ctx.launch, "phase": "init", "phases": {}}
+        current = None if self.recorder is None else self.recorder.loading()
+        if current is not None and current["launch"] == ctx.launch:
+            doc = current
+        elapsed = None if ctx.launched_at is None else round(self.clock() - ctx.launched_at, 1)
+        return {**doc, "elapsed_s": elapsed, "load_timeout_s": self.cfg.readiness.load_timeout}
+
     def gpu_status(self) -> list[dict[str, Any]]:
         if self.nvml is None:
             return []
@@ -382,6 +396,8 @@ class Observed:
                 "launch": child.launch,
                 "processes": sorted(i.pid for i in child.known),
             },
+            "launch": ctx.launch,
+            "loading": self.loading(),
             "restarts": self.metrics.restart_counts(),
             "last_restart": self.last_restart,
             "last_probe": self.last_probe,

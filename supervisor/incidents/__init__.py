@@ -476,8 +476,16 @@ def render_show(path: Path, doc: dict[str, Any], stacks_text: str | None) -> str
             out.append(f"  pid {d.pid} {d.name}")
             out.extend(f"    {line}" for line in innermost(d))
     out.append("")
-    out.append(f"Files: {', '.join(doc.get('files') or [])} (log_tail.txt: the traceback)")
+    # Only what is there: a file skipped for space, or removed since, is not offered.
+    files = [str(n) for n in doc.get("files") or [] if _present(path, str(n))]
+    why = f" ({LOG_TAIL}: the traceback)" if LOG_TAIL in files else ""
+    out.append(f"Files: {', '.join(files) or 'none besides what is shown'}{why}")
     return "\n".join(out)
+
+
+def _present(directory: Path, name: str) -> bool:
+    """`name` (from incident.json: a file's word) is a plain file in `directory` itself."""
+    return name == Path(name).name and (directory / name).is_file()
 
 
 def run_show(store: IncidentStore, ident: str, as_json: bool, out: TextIO, err: TextIO) -> int:

@@ -102,6 +102,18 @@ class IncidentRecorder:
             extras=self.load_extras(),
         )
 
+    def loading(self) -> dict[str, Any] | None:
+        """The launch being loaded, for /status.loading: its number, the phase it is in and
+        the phases it finished (None once it is ready, or before any launch)."""
+        cur = self._cur
+        if cur is None or cur.ready_at_unix is not None:
+            return None
+        return {
+            "launch": cur.launch,
+            "phase": cur.timeline.current(),
+            "phases": cur.timeline.phases(),
+        }
+
     def line(self, line: str, mono_now: float) -> None:
         if self._cur is not None:
             self._cur.timeline.feed(line, mono_now)

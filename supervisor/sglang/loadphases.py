@@ -143,6 +143,23 @@ class LoadTimeline:
                 out[name] = round(end - start, 3)
         return out
 
+    def current(self) -> str:
+        """The phase the load is in: the last one whose start was seen (`done` once the probe
+        passed). Between two phases (a graph captured, the port not yet open) it is the one
+        that ended last, so the name never runs ahead of what SGLang printed."""
+        m = self.marks
+        for name, mark in (
+            ("done", "probe_ok"),
+            ("probe", "ready"),
+            ("warmup", "port_open"),
+            ("cuda_graph", "graph_begin"),
+            ("kv_cache", "weights_end"),
+            ("weights", "weights_begin"),
+        ):
+            if mark in m:
+                return name
+        return "init"
+
     def _warmup_end(self) -> float | None:
         """The earlier of SGLang's ready line and the start of the probe that passed: from
         then on the server was taking requests. Never before the port opened (a probe is

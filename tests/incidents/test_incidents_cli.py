@@ -94,6 +94,20 @@ def test_show_prints_the_summary_exception_and_hung_frame(
     assert json.loads(capsys.readouterr().out)["id"] == second
 
 
+def test_show_lists_only_the_files_there(
+    populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, (first, _) = populated
+    assert cli.main(["incidents", "show", first, "--config", str(config)]) == 0
+    files = capsys.readouterr().out.splitlines()[-1]
+    assert files == "Files: incident.json, log_tail.txt, stacks.txt (log_tail.txt: the traceback)"
+    directory = config.parent / "incidents" / first
+    (directory / "log_tail.txt").unlink()
+    (directory / "stacks.txt").unlink()
+    assert cli.main(["incidents", "show", first, "--config", str(config)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "Files: incident.json"
+
+
 def test_show_unknown_and_missing_id(
     populated: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:

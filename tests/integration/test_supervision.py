@@ -21,6 +21,7 @@ from testkit import (
     running,
     wait_gone,
 )
+from testkit.daemon import primary_crashes_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -221,13 +222,7 @@ def test_crash_loop_without_fallback_fails_and_stays_up(tmp_path: Path) -> None:
 
 
 def test_crash_loop_switches_to_fallback(tmp_path: Path) -> None:
-    cfg = base_config(
-        tmp_path,
-        sglang={"env": {"STANDIN_FAULT": "crash-during-load"}},
-        profiles={"fallback": {"env": {"STANDIN_FAULT": None}}},
-        restart={"crash_loop": {"max_restarts": 2, "window": "1h"}, "fallback_profile": "fallback"},
-    )
-    with running(tmp_path, cfg) as d:
+    with running(tmp_path, primary_crashes_config(tmp_path)) as d:
         d.wait_for(lambda e: e.get("event") == "profile changed", what="profile change")
         d.wait_state("ready")
         st = d.status()

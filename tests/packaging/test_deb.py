@@ -13,6 +13,7 @@ $KIMI_SERVE_DEB. See packaging/README.md.
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 import subprocess
@@ -113,8 +114,12 @@ def test_package_contents(deb: Path) -> None:
         (CONFIG, "etc/kimi-serve.yaml"),
         (f"{share}/prometheus/kimi-serve-rules.yml", "etc/prometheus/kimi-serve-rules.yml"),
         (f"{share}/grafana/kimi-serve.json", "etc/grafana/kimi-serve.json"),
+        ("/usr/share/bash-completion/completions/kimi-serve", "packaging/completion/kimi-serve"),
+        ("/usr/share/zsh/vendor-completions/_kimi-serve", "packaging/completion/_kimi-serve"),
     ]:
         assert files[installed] == (REPO_ROOT / source).read_bytes(), installed
+    man = gzip.decompress(files["/usr/share/man/man1/kimi-serve.1.gz"])
+    assert man == (REPO_ROOT / "packaging" / "kimi-serve.1").read_bytes()
 
     # The runbook, uncompressed where every alert links to it by default, and every alert of
     # the shipped rules landing on a heading of the shipped runbook.

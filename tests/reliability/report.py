@@ -155,6 +155,16 @@ def main(argv: list[str]) -> int:
     if argv and argv[0].endswith(".json"):
         print(table(json.loads(Path(argv[0]).read_text())))
         return 0
+    try:
+        import pytest  # noqa: F401  (only asked whether it is there)
+    except ImportError:
+        # scripts/demo's setup has no test tools; the suite this runs needs them.
+        print(
+            "python -m tests.reliability.report runs the reliability suite, which needs the test "
+            "tools: run scripts/setup --test first (a results FILE.json prints without them)",
+            file=sys.stderr,
+        )
+        return 1
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "reliability.json"
         code, took = run_suite(out, argv)

@@ -199,7 +199,7 @@ async def test_without_the_right_token_nothing_is_done(
 
 async def test_with_the_right_token_each_is_done(ep: Endpoint) -> None:
     r = await ep.client.post("/restart", headers=ep.bearer())
-    assert (r.status_code, r.json()) == (202, {"accepted": True})
+    assert (r.status_code, r.json()) == (202, {"accepted": True, "launch": 1})
     assert ep.backend.restarts == 1
     r = await ep.client.post("/drain", headers=ep.bearer())
     assert (r.status_code, r.json()) == (200, {"drained": True, "waited_s": 0.0})

@@ -102,6 +102,8 @@ def test_command_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert PURPOSE[command] in out
     if command != "demo":
         assert "--config FILE" in out
+    # The epilog: every exit status the command gives, 0 first.
+    assert "exit status: 0" in out
 
 
 def test_top_level_help_lists_every_command() -> None:
@@ -231,6 +233,24 @@ def test_status_with_url_needs_no_config(tmp_path: Path) -> None:
     )
     assert done.returncode == 4, done.stderr
     assert "cannot reach the daemon" in done.stderr
+
+
+def test_check_json_keeps_the_exit_codes(tmp_path: Path) -> None:
+    bare = tmp_path / "no-spt.yaml"
+    bare.write_text(PRODUCTION.read_text().replace('SPT_NOENV: "1"', 'OTHER: "1"'))
+    done = kimi_serve("check", "--json", "--config", str(bare))
+    assert done.returncode == 0, done
+    doc = json.loads(done.stdout)
+    assert (doc["ok"], doc["config"], doc["errors"]) == (True, str(bare), [])
+    assert len(doc["warnings"]) == 2 and "SPT_NOENV" in doc["warnings"][0]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("sglang:\n  model_path: /m\nreadiness:\n  load_timeout: soon\n")
+    done = kimi_serve("check", "--json", "--config", str(broken))
+    assert done.returncode == 78, done
+    doc = json.loads(done.stdout)
+    assert doc["ok"] is False
+    (error,) = doc["errors"]
+    assert (error["key"], error["line"]) == ("readiness.load_timeout", 4)
 
 
 def test_check_warns_without_spt_noenv(tmp_path: Path) -> None:

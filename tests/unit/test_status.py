@@ -179,6 +179,9 @@ class _Backend:
     def request_restart(self) -> str | None:
         return None
 
+    def next_launch(self) -> int:
+        return 2
+
 
 @pytest.mark.parametrize(("state", "code"), [("ready", 0), ("warming", 3)])
 async def test_a_rejected_token_falls_back_to_the_open_status(
