@@ -36,6 +36,7 @@ from supervisor import secret_files as admin_token
 from supervisor.config import RouterConfig
 from supervisor.router.api import (
     Failure,
+    Known,
     Worker,
     _snip,
     backoff,
@@ -47,6 +48,7 @@ from supervisor.router.api import (
 from supervisor.sglang.drain_wait import DrainResult, wait_idle
 
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
+SETTLE_POLL = 0.25  # the list polled while SMG drains our old entry: it lasts seconds
 
 
 class RouterMetrics(Protocol):
@@ -113,6 +115,7 @@ class RouterLink:
         *,
         request_timeout: float = 3.0,
         confirm_timeout: float = 5.0,
+        settle_timeout: float = 15.0,
         recheck_interval: float = 5.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
@@ -132,6 +135,7 @@ class RouterLink:
         self._warned_clear = False
         self.request_timeout = request_timeout
         self.confirm_timeout = confirm_timeout
+        self.settle_timeout = settle_timeout
         self.recheck_interval = recheck_interval
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -350,7 +354,6 @@ class RouterLink:
             return False
         if not self.state.wanted:
             return False
-        mine = [w for w in listed if same_url(w.url, self.cfg.worker_url) and not w.leaving]
         known = self.state.worker_id
         if known is not None and not any(w.id == known for w in listed) and self.state.registered:
             self._fail(
@@ -362,19 +365,43 @@ class RouterLink:
                 )
             )
             self._set_registered(False)
-        if mine:
-            entry = next((w for w in mine if w.id == known), mine[0])
+        entry = self._entry(listed)
+        if entry is not None:
             self._confirmed(entry.id)
             return True
+        adding = next((w for w in self._mine(listed) if w.adding), None)
+        if adding is not None:  # SMG is adding it already (an earlier POST of ours)
+            self.state.worker_id = adding.id
+            return await self._until_listed(adding.id)
+        if any(w.leaving for w in self._mine(listed)) and not await self._until_left():
+            return False
         got = await self._call("register", "POST", "/workers", json={"url": self.cfg.worker_url})
         if isinstance(got, Failure):
             self._fail(got)
             return False
-        wid = parse_added(*got)
-        if isinstance(wid, Failure):
-            self._fail(wid)
+        added = parse_added(*got)
+        if isinstance(added, Failure):
+            self._fail(added)
             return False
-        self.state.worker_id = wid
+        if isinstance(added, Known):  # SMG's 409: the list says which entry
+            self.log.info("router: knows this URL already", code=added.code, answer=added.message)
+            return await self._until_listed(None)
+        self.state.worker_id = added
+        return await self._until_listed(added)
+
+    def _mine(self, listed: list[Worker]) -> list[Worker]:
+        return [w for w in listed if same_url(w.url, self.cfg.worker_url)]
+
+    def _entry(self, listed: list[Worker], wid: str | None = None) -> Worker | None:
+        """Our registration as the router lists it: neither being added (SMG's `pending`) nor
+        being removed (`draining`); the entry of `wid` (else of our last id) first."""
+        live = [w for w in self._mine(listed) if not w.leaving and not w.adding]
+        prefer = wid or self.state.worker_id
+        return next((w for w in live if w.id == prefer), live[0] if live else None)
+
+    async def _until_listed(self, wid: str | None) -> bool:
+        """Poll the list until our entry (that of `wid` if given) is listed, at most
+        confirm_timeout: the router adds a worker in the background, after its own checks."""
         deadline = self.clock() + self.confirm_timeout
         while self.clock() < deadline:
             if not self.state.wanted:
@@ -383,16 +410,45 @@ class RouterLink:
             if isinstance(listed, Failure):
                 self._fail(listed)
                 return False
-            if any(w.id == wid for w in listed):
-                self._confirmed(wid)
+            entry = self._entry(listed, wid)
+            if entry is not None and (wid is None or entry.id == wid):
+                self._confirmed(entry.id)
                 return True
             await asyncio.sleep(self.poll_interval)
+        which = f"id {wid}" if wid else "already known to it"
         self._fail(
             Failure(
                 "register",
                 "not_listed",
-                f"the router accepted {self.cfg.worker_url} (id {wid}) but did not list it "
+                f"the router accepted {self.cfg.worker_url} ({which}) but did not list it "
                 f"within {self.confirm_timeout:g}s: can the router reach router.worker_url?",
+            )
+        )
+        return False
+
+    async def _until_left(self) -> bool:
+        """SMG keeps a removed entry listed as `draining` (5 s by default) and answers a POST
+        for its URL 409 meanwhile: wait until it is gone, at most settle_timeout. A second
+        DELETE would end SMG's drain at once, so none is sent."""
+        url = self.cfg.worker_url
+        self.log.info("router: waiting for its draining entry to go", worker_url=url)
+        deadline = self.clock() + self.settle_timeout
+        while self.clock() < deadline:
+            await asyncio.sleep(max(self.poll_interval, SETTLE_POLL))
+            if not self.state.wanted:
+                return False
+            listed = await self.list_workers()
+            if isinstance(listed, Failure):
+                self._fail(listed)
+                return False
+            if not any(w.leaving for w in self._mine(listed)):
+                return True
+        self._fail(
+            Failure(
+                "register",
+                "still_draining",
+                f"the router still lists {url} as draining "
+                f"{self.settle_timeout:g}s after its removal",
             )
         )
         return False
