@@ -15,6 +15,21 @@ Facts about the router's API this module relies on (measured on sglang-router 0.
   with what we want until it agrees, whatever the router did meanwhile.
 - A restarted router has forgotten every worker (and its ids).
 
+And on SMG 1.13 (`smg` on PyPI; tests/router/test_smg.py measures each):
+- `POST /workers` answers 202 with a `worker_id` too; SMG's add job lists the worker once
+  U's `/health` passed, polling it every `--worker-startup-check-interval` (default 30 s). A
+  worker it is adding is not listed (or listed `pending`, routed nothing: not registered
+  yet), and a DELETE of it is lost as above.
+- A second POST answers 409 `WORKER_CREATE_IN_PROGRESS` while SMG adds U, 409
+  `WORKER_ALREADY_EXISTS` once U is listed: read as "known" (`api.Known`), the link then
+  waits for the listed entry instead of failing.
+- `DELETE` keeps the entry listed as `draining` (routed nothing) for SMG's drain settle time,
+  5 s, then drops it; a POST for U answers 409 meanwhile. The link counts a draining entry as
+  removed, registers again only once it is gone (`_until_left`, at most settle_timeout), and
+  never DELETEs it again: SMG would end the drain of the old requests at once.
+- With no worker listed SMG answers 404 `model_not_found`; with only a draining one 503
+  `no_available_workers`.
+
 Nothing here raises into the caller: every failure is classified, logged once per change,
 counted (`kimi_serve_router_errors_total{op}`) and shown in `/status.router.last_error`.
 """
@@ -402,28 +417,28 @@ class RouterLink:
     async def _until_listed(self, wid: str | None) -> bool:
         """Poll the list until our entry (that of `wid` if given) is listed, at most
         confirm_timeout: the router adds a worker in the background, after its own checks."""
-        deadline = self.clock() + self.confirm_timeout
-        while self.clock() < deadline:
-            if not self.state.wanted:
-                return False
-            listed = await self.list_workers()
-            if isinstance(listed, Failure):
-                self._fail(listed)
-                return False
-            entry = self._entry(listed, wid)
+        found: list[str] = []
+
+        def listed(workers: list[Worker]) -> bool:
+            entry = self._entry(workers, wid)
             if entry is not None and (wid is None or entry.id == wid):
-                self._confirmed(entry.id)
-                return True
-            await asyncio.sleep(self.poll_interval)
-        which = f"id {wid}" if wid else "already known to it"
-        self._fail(
-            Failure(
-                "register",
-                "not_listed",
-                f"the router accepted {self.cfg.worker_url} ({which}) but did not list it "
-                f"within {self.confirm_timeout:g}s: can the router reach router.worker_url?",
+                found.append(entry.id)
+            return bool(found)
+
+        got = await self._poll(self.confirm_timeout, self.poll_interval, listed)
+        if got:
+            self._confirmed(found[0])
+            return True
+        if got is None:
+            which = f"id {wid}" if wid else "already known to it"
+            self._fail(
+                Failure(
+                    "register",
+                    "not_listed",
+                    f"the router accepted {self.cfg.worker_url} ({which}) but did not list it "
+                    f"within {self.confirm_timeout:g}s: can the router reach router.worker_url?",
+                )
             )
-        )
         return False
 
     async def _until_left(self) -> bool:
@@ -432,26 +447,41 @@ class RouterLink:
         DELETE would end SMG's drain at once, so none is sent."""
         url = self.cfg.worker_url
         self.log.info("router: waiting for its draining entry to go", worker_url=url)
-        deadline = self.clock() + self.settle_timeout
+        interval = max(self.poll_interval, SETTLE_POLL)
+        got = await self._poll(
+            self.settle_timeout,
+            interval,
+            lambda workers: not any(w.leaving for w in self._mine(workers)),
+        )
+        if got is None:
+            self._fail(
+                Failure(
+                    "register",
+                    "still_draining",
+                    f"the router still lists {url} as draining "
+                    f"{self.settle_timeout:g}s after its removal",
+                )
+            )
+        return bool(got)
+
+    async def _poll(
+        self, budget: float, interval: float, done: Callable[[list[Worker]], bool]
+    ) -> bool | None:
+        """Read the list until `done(list)`, at most `budget` seconds, while the machine wants
+        us registered: True when done, False when a read failed or we are no longer wanted,
+        None at the budget."""
+        deadline = self.clock() + budget
         while self.clock() < deadline:
-            await asyncio.sleep(max(self.poll_interval, SETTLE_POLL))
             if not self.state.wanted:
                 return False
             listed = await self.list_workers()
             if isinstance(listed, Failure):
                 self._fail(listed)
                 return False
-            if not any(w.leaving for w in self._mine(listed)):
+            if done(listed):
                 return True
-        self._fail(
-            Failure(
-                "register",
-                "still_draining",
-                f"the router still lists {url} as draining "
-                f"{self.settle_timeout:g}s after its removal",
-            )
-        )
-        return False
+            await asyncio.sleep(interval)
+        return None
 
     async def _deregister(self, reason: str) -> bool:
         async with self._lock:
