@@ -1,5 +1,5 @@
-"""A fleet for tests: replicas run by the real `kimi-serve run` (stand-in SGLang) behind the real
-sglang-router, and what reached each replica.
+"""A fleet for tests: replicas run by the real `kimi-serve run` (stand-in SGLang) behind a real
+router (sglang-router or SMG), and what reached each replica.
 
 Each replica's stand-in appends a line per `/generate` request *on arrival* to its request log
 (STANDIN_REQUEST_LOG): the load generator's prompts start with "Request ", kimi-serve's probes
@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from testkit.daemon import DaemonProcess, base_config, running
+from testkit.router import routed
 
 USER_PROMPT = "Request "  # bench.loadgen's prompts
 
@@ -82,7 +83,8 @@ def registered(d: DaemonProcess) -> bool:
 
 
 class ListWatch:
-    """Polls the router's worker list in a thread: when each URL was (last) seen listed."""
+    """Polls the router's worker list in a thread: when each URL was (last) seen listed (as one
+    it routes to: SMG's `pending` and `draining` entries do not count)."""
 
     def __init__(self, router_url: str, interval: float = 0.05) -> None:
         self.url = router_url.rstrip("/") + "/workers"
@@ -104,7 +106,9 @@ class ListWatch:
             while not self._stop.is_set():
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     doc = c.get(self.url).json()
-                    urls = frozenset(w["url"].rstrip("/") for w in doc.get("workers", []))
+                    urls = frozenset(
+                        w["url"].rstrip("/") for w in doc.get("workers", []) if routed(w)
+                    )
                     self.history.append((time.time(), urls))
                 self._stop.wait(self.interval)
 

@@ -1,19 +1,21 @@
-"""The real sglang-router (the PyPI wheel) as a process on loopback, for tests and benchmarks.
+"""The real routers (the PyPI wheels) as processes on loopback, for tests and benchmarks:
+sglang-router 0.3.2 and its successor SMG (`smg` 1.13), docs/fleet.md.
 
-It starts with no workers; kimi-serve registers them through its worker API. Started in its
-own session so a test can kill exactly the processes it started.
+Each starts with no workers; kimi-serve registers them through the worker API both share.
+Started in its own session so a test can kill exactly the processes it started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +30,48 @@ from testkit.wait import free_port
 
 START_DEADLINE = 30.0
 
+# Both wheels install a `smg` script (0.3.2's starts sglang-router): each is started by its
+# Python module instead.
+LEGACY, SMG = "sglang-router", "smg"
+ROUTERS = (LEGACY, SMG)
+MODULES = {LEGACY: ["sglang_router.launch_router"], SMG: ["smg", "launch"]}
 
-def router_available() -> bool:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# SMG's own checks, as docs/fleet.md chooses them for a kimi-serve fleet: its add job polls a
+# new worker's /health every second (not every 30 s), a pending addition gives up after 20 s,
+# and its periodic /health check (a backup to kimi-serve's liveness probe) runs every 10 s.
+SMG_FLEET_FLAGS = [
+    "--worker-startup-check-interval", "1",
+    "--worker-startup-timeout-secs", "20",
+    "--health-check-interval-secs", "10",
+    "--health-check-timeout-secs", "5",
+    "--health-failure-threshold", "3",
+    "--health-success-threshold", "2",
+]  # fmt: skip
+
+
+def router_available(kind: str = LEGACY) -> bool:
+    return importlib.util.find_spec(MODULES[kind][0].split(".")[0]) is not None
+
+
+def routed(entry: Mapping[str, Any]) -> bool:
+    """An entry the router may send requests to: SMG lists an entry it is adding (`pending`)
+    or removing (`draining`) too, and routes nothing to it."""
+    return entry.get("status") not in ("pending", "draining")
 
 
 class RouterProcess:
-    """`python -m sglang_router.launch_router --host 127.0.0.1 --port P` and its log."""
+    """`python -m sglang_router.launch_router` or `python -m smg launch`, `--host 127.0.0.1
+    --port P`, and its log."""
 
-    def __init__(self, extra: Sequence[str] = (), port: int | None = None) -> None:
+    def __init__(
+        self, extra: Sequence[str] = (), port: int | None = None, kind: str = LEGACY
+    ) -> None:
+        self.kind = kind
         self.port = port or free_port()
         self.metrics_port = free_port()  # its Prometheus exporter defaults to 29000: shared
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{kind}-", suffix=".log")[1])
         self.start_seconds: float | None = None
 
     @property
@@ -54,7 +80,7 @@ class RouterProcess:
 
     def start(self) -> RouterProcess:
         argv = [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, "-m", *MODULES[self.kind],
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
             "--log-level", "warn",
@@ -68,12 +94,12 @@ class RouterProcess:
         deadline = began + START_DEADLINE
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"sglang-router exited at start: {self.log_tail()}")
+                raise AssertionError(f"{self.kind} exited at start: {self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/workers", timeout=1.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError(f"sglang-router did not answer: {self.log_tail()}")
+                raise AssertionError(f"{self.kind} did not answer: {self.log_tail()}")
             time.sleep(0.05)
         self.start_seconds = time.monotonic() - began
         return self
@@ -105,7 +131,8 @@ class RouterProcess:
         return list(doc["workers"])
 
     def urls(self) -> list[str]:
-        return [w["url"] for w in self.workers()]
+        """The URLs it routes to (SMG's `pending` and `draining` entries left out)."""
+        return [w["url"] for w in self.workers() if routed(w)]
 
     def cleanup(self) -> None:
         self.kill()

@@ -18,6 +18,7 @@ from supervisor import admin
 from supervisor.config import Config
 from supervisor.core.machine import RouterDeregister, RouterRegister
 from supervisor.router.api import Failure as Failure
+from supervisor.router.api import Known as Known
 from supervisor.router.api import Worker as Worker
 from supervisor.router.api import backoff as backoff
 from supervisor.router.api import key_in_clear as key_in_clear

@@ -17,7 +17,9 @@ class Failure:
     """One failed call, classified. `kind` is stable (tests, alerts); `message` is the line."""
 
     op: str  # register | deregister | list | drain
-    kind: str  # connect | timeout | http_status | malformed | not_listed | still_listed | vanished
+    # connect | timeout | http_status | malformed | not_listed | still_listed | still_draining |
+    # vanished
+    kind: str
     message: str
 
 
@@ -27,12 +29,30 @@ class Worker:
     url: str
     healthy: bool | None
     # SMG (1.x) keeps a removed worker listed with status "draining" while its requests end;
-    # it routes nothing new to it. sglang-router 0.3.2 lists no status.
+    # it routes nothing new to it. "pending": being added, routed nothing yet.
+    # sglang-router 0.3.2 lists no status.
     status: str | None = None
 
     @property
     def leaving(self) -> bool:
         return self.status == "draining"
+
+    @property
+    def adding(self) -> bool:
+        return self.status == "pending"
+
+
+@dataclass(frozen=True)
+class Known:
+    """SMG's 409 to `POST /workers`: it already lists this URL (`WORKER_ALREADY_EXISTS`, also
+    while the entry is draining) or is adding it (`WORKER_CREATE_IN_PROGRESS`). Not a failure:
+    the list says which."""
+
+    code: str
+    message: str
+
+
+KNOWN_CODES = frozenset({"WORKER_ALREADY_EXISTS", "WORKER_CREATE_IN_PROGRESS"})
 
 
 def same_url(a: str, b: str) -> bool:
@@ -80,8 +100,14 @@ def parse_workers(status: int, body: bytes, content_type: str) -> list[Worker] |
     return out
 
 
-def parse_added(status: int, body: bytes, content_type: str) -> str | Failure:
-    """The worker id from the answer to `POST /workers`, or why there is none."""
+def parse_added(status: int, body: bytes, content_type: str) -> str | Known | Failure:
+    """The worker id from the answer to `POST /workers`, SMG's "already known", or why there is
+    neither."""
+    if status == 409:
+        doc = _json(body)
+        if isinstance(doc, dict) and doc.get("code") in KNOWN_CODES:
+            text = doc.get("error")
+            return Known(str(doc["code"]), " ".join(str(text or "").split())[:200])
     if status not in (200, 201, 202):
         return Failure(
             "register", "http_status", f"POST /workers answered HTTP {status}{_snip(body)}"

@@ -15,6 +15,21 @@ Facts about the router's API this module relies on (measured on sglang-router 0.
   with what we want until it agrees, whatever the router did meanwhile.
 - A restarted router has forgotten every worker (and its ids).
 
+And on SMG 1.13 (`smg` on PyPI; tests/router/test_smg.py measures each):
+- `POST /workers` answers 202 with a `worker_id` too; SMG's add job lists the worker once
+  U's `/health` passed, polling it every `--worker-startup-check-interval` (default 30 s). A
+  worker it is adding is not listed (or listed `pending`, routed nothing: not registered
+  yet), and a DELETE of it is lost as above.
+- A second POST answers 409 `WORKER_CREATE_IN_PROGRESS` while SMG adds U, 409
+  `WORKER_ALREADY_EXISTS` once U is listed: read as "known" (`api.Known`), the link then
+  waits for the listed entry instead of failing.
+- `DELETE` keeps the entry listed as `draining` (routed nothing) for SMG's drain settle time,
+  5 s, then drops it; a POST for U answers 409 meanwhile. The link counts a draining entry as
+  removed, registers again only once it is gone (`_until_left`, at most settle_timeout), and
+  never DELETEs it again: SMG would end the drain of the old requests at once.
+- With no worker listed SMG answers 404 `model_not_found`; with only a draining one 503
+  `no_available_workers`.
+
 Nothing here raises into the caller: every failure is classified, logged once per change,
 counted (`kimi_serve_router_errors_total{op}`) and shown in `/status.router.last_error`.
 """
@@ -36,6 +51,7 @@ from supervisor import secret_files as admin_token
 from supervisor.config import RouterConfig
 from supervisor.router.api import (
     Failure,
+    Known,
     Worker,
     _snip,
     backoff,
@@ -47,6 +63,7 @@ from supervisor.router.api import (
 from supervisor.sglang.drain_wait import DrainResult, wait_idle
 
 MAX_ANSWER_BYTES = 4 << 20  # a worker list of a few hundred replicas is well below this
+SETTLE_POLL = 0.25  # the list polled while SMG drains our old entry: it lasts seconds
 
 
 class RouterMetrics(Protocol):
@@ -113,6 +130,7 @@ class RouterLink:
         *,
         request_timeout: float = 3.0,
         confirm_timeout: float = 5.0,
+        settle_timeout: float = 15.0,
         recheck_interval: float = 5.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
@@ -132,6 +150,7 @@ class RouterLink:
         self._warned_clear = False
         self.request_timeout = request_timeout
         self.confirm_timeout = confirm_timeout
+        self.settle_timeout = settle_timeout
         self.recheck_interval = recheck_interval
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -350,7 +369,6 @@ class RouterLink:
             return False
         if not self.state.wanted:
             return False
-        mine = [w for w in listed if same_url(w.url, self.cfg.worker_url) and not w.leaving]
         known = self.state.worker_id
         if known is not None and not any(w.id == known for w in listed) and self.state.registered:
             self._fail(
@@ -362,20 +380,97 @@ class RouterLink:
                 )
             )
             self._set_registered(False)
-        if mine:
-            entry = next((w for w in mine if w.id == known), mine[0])
+        entry = self._entry(listed)
+        if entry is not None:
             self._confirmed(entry.id)
             return True
+        adding = next((w for w in self._mine(listed) if w.adding), None)
+        if adding is not None:  # SMG is adding it already (an earlier POST of ours)
+            self.state.worker_id = adding.id
+            return await self._until_listed(adding.id)
+        if any(w.leaving for w in self._mine(listed)) and not await self._until_left():
+            return False
         got = await self._call("register", "POST", "/workers", json={"url": self.cfg.worker_url})
         if isinstance(got, Failure):
             self._fail(got)
             return False
-        wid = parse_added(*got)
-        if isinstance(wid, Failure):
-            self._fail(wid)
+        added = parse_added(*got)
+        if isinstance(added, Failure):
+            self._fail(added)
             return False
-        self.state.worker_id = wid
-        deadline = self.clock() + self.confirm_timeout
+        if isinstance(added, Known):  # SMG's 409: the list says which entry
+            self.log.info("router: knows this URL already", code=added.code, answer=added.message)
+            return await self._until_listed(None)
+        self.state.worker_id = added
+        return await self._until_listed(added)
+
+    def _mine(self, listed: list[Worker]) -> list[Worker]:
+        return [w for w in listed if same_url(w.url, self.cfg.worker_url)]
+
+    def _entry(self, listed: list[Worker], wid: str | None = None) -> Worker | None:
+        """Our registration as the router lists it: neither being added (SMG's `pending`) nor
+        being removed (`draining`); the entry of `wid` (else of our last id) first."""
+        live = [w for w in self._mine(listed) if not w.leaving and not w.adding]
+        prefer = wid or self.state.worker_id
+        return next((w for w in live if w.id == prefer), live[0] if live else None)
+
+    async def _until_listed(self, wid: str | None) -> bool:
+        """Poll the list until our entry (that of `wid` if given) is listed, at most
+        confirm_timeout: the router adds a worker in the background, after its own checks."""
+        found: list[str] = []
+
+        def listed(workers: list[Worker]) -> bool:
+            entry = self._entry(workers, wid)
+            if entry is not None and (wid is None or entry.id == wid):
+                found.append(entry.id)
+            return bool(found)
+
+        got = await self._poll(self.confirm_timeout, self.poll_interval, listed)
+        if got:
+            self._confirmed(found[0])
+            return True
+        if got is None:
+            which = f"id {wid}" if wid else "already known to it"
+            self._fail(
+                Failure(
+                    "register",
+                    "not_listed",
+                    f"the router accepted {self.cfg.worker_url} ({which}) but did not list it "
+                    f"within {self.confirm_timeout:g}s: can the router reach router.worker_url?",
+                )
+            )
+        return False
+
+    async def _until_left(self) -> bool:
+        """SMG keeps a removed entry listed as `draining` (5 s by default) and answers a POST
+        for its URL 409 meanwhile: wait until it is gone, at most settle_timeout. A second
+        DELETE would end SMG's drain at once, so none is sent."""
+        url = self.cfg.worker_url
+        self.log.info("router: waiting for its draining entry to go", worker_url=url)
+        interval = max(self.poll_interval, SETTLE_POLL)
+        got = await self._poll(
+            self.settle_timeout,
+            interval,
+            lambda workers: not any(w.leaving for w in self._mine(workers)),
+        )
+        if got is None:
+            self._fail(
+                Failure(
+                    "register",
+                    "still_draining",
+                    f"the router still lists {url} as draining "
+                    f"{self.settle_timeout:g}s after its removal",
+                )
+            )
+        return bool(got)
+
+    async def _poll(
+        self, budget: float, interval: float, done: Callable[[list[Worker]], bool]
+    ) -> bool | None:
+        """Read the list until `done(list)`, at most `budget` seconds, while the machine wants
+        us registered: True when done, False when a read failed or we are no longer wanted,
+        None at the budget."""
+        deadline = self.clock() + budget
         while self.clock() < deadline:
             if not self.state.wanted:
                 return False
@@ -383,19 +478,10 @@ class RouterLink:
             if isinstance(listed, Failure):
                 self._fail(listed)
                 return False
-            if any(w.id == wid for w in listed):
-                self._confirmed(wid)
+            if done(listed):
                 return True
-            await asyncio.sleep(self.poll_interval)
-        self._fail(
-            Failure(
-                "register",
-                "not_listed",
-                f"the router accepted {self.cfg.worker_url} (id {wid}) but did not list it "
-                f"within {self.confirm_timeout:g}s: can the router reach router.worker_url?",
-            )
-        )
-        return False
+            await asyncio.sleep(interval)
+        return None
 
     async def _deregister(self, reason: str) -> bool:
         async with self._lock:

@@ -1,6 +1,9 @@
-"""Two replicas, each run by the real `kimi-serve run` (stand-in SGLang), behind the real
-sglang-router, with the load generator sending plain and streaming requests through the
-router for the whole test. What users feel is counted: failed requests, cut streams, and user
+"""Two replicas, each run by the real `kimi-serve run` (stand-in SGLang), behind a real router,
+with the load generator sending plain and streaming requests through the router for the whole
+test. The flows every router must carry (restart, reload and stop under streams, drain and
+undrain, the seed incident) run behind sglang-router 0.3.2 and behind SMG 1.13 with the flags
+docs/fleet.md chooses; SMG's own windows (asynchronous registration, `draining`, 409) are
+tests/router/test_smg.py. What users feel is counted: failed requests, cut streams, and user
 requests that reached a replica which was not decode-verified (its stand-in's request log).
 """
 
@@ -28,22 +31,35 @@ from testkit.fleet import (
     user_arrivals,
     worker_url,
 )
-from testkit.router import RouterProcess
+from testkit.router import LEGACY, ROUTERS, SMG, SMG_FLEET_FLAGS, RouterProcess
 from testkit.wait import wait_until_async
 
 pytestmark = pytest.mark.slow
 
 # Round robin: the default cache-aware policy sends prompts with a common prefix to one
-# replica, so the replica a step is about might see no traffic at all.
+# replica, so the replica a step is about might see no traffic at all. Pending additions give
+# up after 10 s (a stand-in of a later test may get the port of an earlier one).
 ROUTER_FLAGS = ["--policy", "round_robin", "--worker-startup-timeout-secs", "10"]
+FLAGS = {LEGACY: ROUTER_FLAGS, SMG: [*SMG_FLEET_FLAGS, *ROUTER_FLAGS]}
 LIVENESS_S = 1.0  # liveness.interval in replica_config
+both = pytest.mark.parametrize("fleet_router", ROUTERS, indirect=True)
 
 
 @pytest.fixture(scope="module")
-def fleet_router() -> Iterator[RouterProcess]:
-    proc = RouterProcess(ROUTER_FLAGS).start()
+def fleet_router(request: pytest.FixtureRequest) -> Iterator[RouterProcess]:
+    """One router per kind for the module; sglang-router where a test names none."""
+    kind = getattr(request, "param", LEGACY)
+    proc = RouterProcess(FLAGS[kind], kind=kind).start()
     yield proc
     proc.cleanup()
+
+
+def no_router_error(*daemons: DaemonProcess) -> None:
+    """The link carried every step without a failed router call (SMG's 409 and `draining`
+    windows included)."""
+    for d in daemons:
+        router = d.status()["router"]
+        assert router["last_error"] is None, router
 
 
 async def ready_and_registered(d: DaemonProcess, timeout: float = 30.0) -> None:
@@ -87,6 +103,7 @@ def line_index(d: DaemonProcess, text: str, after: int = 0) -> int:
     raise AssertionError(f"{text!r} not in the daemon's output: {d.raw[-20:]}")
 
 
+@both
 async def test_restart_reload_and_stop_cut_nothing(
     fleet_router: RouterProcess, tmp_path: Path
 ) -> None:
@@ -118,6 +135,7 @@ async def test_restart_reload_and_stop_cut_nothing(
             await ready_and_registered(a)
             await more(load, 20)
             reload = load.stats(since=start)
+            no_router_error(a, b)
 
             # A stop of B (what `systemctl stop` sends): deregistered before SGLang's SIGTERM.
             start = load.mark("stop")
@@ -190,6 +208,7 @@ async def test_killed_and_hung_sglang_leave_the_list_and_get_nothing(
             await load.stop()
 
 
+@both
 async def test_seed_incident_launch_gets_no_user_request(
     fleet_router: RouterProcess, tmp_path: Path
 ) -> None:
@@ -260,6 +279,7 @@ def cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@both
 async def test_drain_and_undrain_commands(fleet_router: RouterProcess, tmp_path: Path) -> None:
     cfg = replica_config(tmp_path / "a", fleet_router.url)
     with replicas((tmp_path / "a", cfg)) as (a,):
@@ -282,3 +302,4 @@ async def test_drain_and_undrain_commands(fleet_router: RouterProcess, tmp_path:
         )
         assert worker_url(cfg) in fleet_router.urls()
         assert a.get("/readyz").status_code == 200
+        no_router_error(a)

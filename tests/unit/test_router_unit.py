@@ -17,6 +17,7 @@ from supervisor.metrics import Metrics
 from supervisor.router import (
     DrainResult,
     Failure,
+    Known,
     answer_drain,
     backoff,
     link_for,
@@ -140,6 +141,30 @@ def test_parse_added() -> None:
     bad = parse_added(400, b'{"error":"Invalid URL"}', "application/json")
     assert isinstance(bad, Failure) and "HTTP 400" in bad.message and bad.op == "register"
     assert isinstance(parse_added(202, b'{"worker_id":""}', ""), Failure)
+
+
+def test_parse_added_reads_smgs_409s_as_known() -> None:
+    """SMG 1.13's answers to a POST of a URL it is adding or lists (measured, test_smg.py)."""
+    body = (
+        b'{"error":"Worker creation already in progress for URL \'http://h:1\' with ID x. '
+        b'Poll GET /workers/x.","code":"WORKER_CREATE_IN_PROGRESS"}'
+    )
+    got = parse_added(409, body, "application/json")
+    assert isinstance(got, Known) and got.code == "WORKER_CREATE_IN_PROGRESS"
+    assert got.message.startswith("Worker creation already in progress for URL 'http://h:1'")
+    exists = parse_added(
+        409, b'{"error":"Worker already exists","code":"WORKER_ALREADY_EXISTS"}', ""
+    )
+    assert exists == Known("WORKER_ALREADY_EXISTS", "Worker already exists")
+    for other in (b'{"error":"no","code":"CONFLICT"}', b"<html>409</html>", b"[1]"):
+        failed = parse_added(409, other, "application/json")
+        assert isinstance(failed, Failure) and "HTTP 409" in failed.message, other
+
+
+def test_an_entry_smg_is_adding_is_not_yet_registered() -> None:
+    body = b'{"workers":[{"id":"x","url":"http://h:1","is_healthy":false,"status":"pending"}]}'
+    (w,) = parse_workers(200, body, "application/json")  # type: ignore[misc]
+    assert w.adding and not w.leaving
 
 
 def test_parse_load_sums_ranks_and_needs_the_running_gauge() -> None:
