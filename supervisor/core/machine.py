@@ -258,7 +258,8 @@ class Machine(ProbeRules, DrainRules):
     def stays_ready(self, verdict: Verdict) -> bool:
         """A reload with this verdict leaves a `ready` server serving (no restart follows):
         a newly configured router gets it at once (router.relink)."""
-        return verdict is Verdict.UNCHANGED and self.ctx.state is State.READY
+        unchanged = verdict is Verdict.UNCHANGED and self.ctx.profile == PRIMARY
+        return unchanged and self.ctx.state is State.READY
 
     def job_extension(self) -> float | None:
         """How long systemd's running start (or stop) job is to be extended, or None
@@ -344,8 +345,10 @@ class Machine(ProbeRules, DrainRules):
         if event.verdict is Verdict.INVALID:
             return [NotifyReloaded(ready, " (reload refused: config invalid)")]
         # Unchanged while `failed`: `failed` lasts until a reload, and the operator fixed the
-        # host, not the file.
-        if event.verdict is Verdict.UNCHANGED and self.ctx.state is not State.FAILED:
+        # host, not the file. Unchanged on the fallback profile: back to primary (the runbook's
+        # way back after a fix outside the file, a draft model or the SGLang venv).
+        unchanged = event.verdict is Verdict.UNCHANGED and self.ctx.profile == PRIMARY
+        if unchanged and self.ctx.state is not State.FAILED:
             return [NotifyReloaded(ready)]
         again = RestartRequested(Reason.RELOAD, back_to_primary=True)
         return [NotifyReloaded(ready), *self._requested(again, now)]
@@ -424,10 +427,12 @@ class Machine(ProbeRules, DrainRules):
         if ctx.state in (State.STOPPING, State.STOPPED):
             return []
         actions: list[Action] = []
-        if event.back_to_primary and ctx.profile != PRIMARY:
+        # An operator's restart is the runbook's "back to primary" as much as a reload is.
+        primary = event.back_to_primary or event.reason is Reason.MANUAL
+        if primary and ctx.profile != PRIMARY:
             actions.append(ProfileChanged(ctx.profile, PRIMARY))
             ctx.profile = PRIMARY
-        if event.back_to_primary or ctx.state is State.FAILED:
+        if primary or ctx.state is State.FAILED:
             ctx.restarts.clear()
             ctx.backoff = self.cfg.restart.backoff_initial
         if ctx.state is State.FAILED:
