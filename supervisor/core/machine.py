@@ -33,6 +33,8 @@ readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
 liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
 liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
 readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
+readiness no canary    .    .    .    .    =    .    .    .    .    .    .    .
+liveness no canary     .    .    .    .    .    =    RDY  =    .    .    .    .
 liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
 timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
 timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
@@ -390,6 +392,7 @@ class Machine(ProbeRules, DrainRules):
         ctx.ready_at = None
         ctx.probe_in_flight = False
         ctx.liveness_failures = 0
+        ctx.canary_tries = 0
         ctx.pending = None
         ctx.host_message = ""
         ctx.host_retries = 0

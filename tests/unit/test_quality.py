@@ -33,7 +33,7 @@ from supervisor.core.machine import (
     TimerFired,
     TimerName,
 )
-from supervisor.daemon.quality_watch import QualityWatch
+from supervisor.daemon.quality_watch import CanaryOutcome, QualityWatch
 from supervisor.metrics import Metrics
 from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
@@ -345,7 +345,9 @@ def test_store_learn_accept_forget(tmp_path: Path) -> None:
     accepted = store.accept()
     assert accepted is not None and accepted.how == "accepted"
     assert store.golden(key) is not None and store.golden(key).answer.tokens == (3, 4)  # type: ignore[union-attr]
-    assert store.forget() == [f"golden-{key}.json"]
+    # forget also forgets the received answer: accept cannot put it back.
+    assert store.forget() == [f"golden-{key}.json", "last.json"]
+    assert store.last() is None and store.accept() is None
     assert store.golden(key) is None
     (tmp_path / "canary" / f"golden-{key}.json").write_text("{not json")
     assert store.golden(key) is None and store.goldens() == []
@@ -510,7 +512,7 @@ async def _watch_rounds(tmp_path: Path, rounds: list[tuple[float, float, int]]) 
         for tps, others, running in rounds:
             server.tps, server.others_per_canary = tps, others
             before = Progress(None, 0.0, server.decoded, 0.0, server.decoded)
-            assert await watch.canary(1, ProbeGate()) is None
+            assert await watch.canary(1, ProbeGate()) == CanaryOutcome()
             server.running = running
             # A probe without SGLang's measured speed: only the canary's sample is judged.
             done = ProbeDone(1, ProbeKind.LIVENESS, ok_result(0))
