@@ -4,12 +4,15 @@ while serving is reported only."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from supervisor import config
+from supervisor import config, threads
 from supervisor import quality as q
 from supervisor.config import ConfigError
 from supervisor.core.context import CANARY_TRIES
@@ -30,10 +33,13 @@ from supervisor.core.machine import (
     TimerName,
     Transitioned,
 )
+from supervisor.quality import Answer
+from supervisor.quality.golden import CanaryStore, Golden, golden_key
 from testkit.machine import CFG, Drive, make_cfg, ok_result
 
 REPO = Path(__file__).resolve().parents[2]
 NO_ANSWER = "no canary answer within 5s"
+KEY = golden_key("id", "0.5.23", "p", 16)
 
 
 def _no_canary(d: Drive, kind: ProbeKind = ProbeKind.READINESS) -> list[object]:
@@ -149,3 +155,49 @@ def test_an_answer_holds_when_it_begins_with_the_expected_text() -> None:
     assert not q.KnownResult("p", "Paris", None, "timed out").ok
     assert q.known_tokens("Paris") == 9 and q.known_tokens("x" * 400) == 256
     assert q.known_tokens("東京") == 10  # a token is at least one byte, not one character
+
+
+# ------------------------------------------------------------------------------ golden store
+
+
+def _golden(text: str, generation: int) -> Golden:
+    a = Answer(text, (1, 2), (5.0, 5.0), (3, 4))
+    return Golden(KEY, a, "/m", "id", "0.5.23", "p", 16, 1.0, "learned", generation=generation)
+
+
+def test_a_write_abandoned_at_its_deadline_never_lands_after_a_newer_one(tmp_path: Path) -> None:
+    store = CanaryStore(str(tmp_path / "canary"))
+    store.save_golden(_golden(" new", generation=2))
+    store.save_golden(_golden(" old", generation=1))  # asked for first, finished last
+    assert store.golden(KEY) == _golden(" new", generation=2)
+    assert [p.name for p in (tmp_path / "canary").iterdir()] == [f"golden-{KEY}.json"]
+    store.save_golden(_golden(" newer", generation=3))
+    assert store.golden(KEY) == _golden(" newer", generation=3)
+
+
+async def test_the_daemons_store_call_is_abandoned_at_its_deadline_and_lands_nothing(
+    tmp_path: Path,
+) -> None:
+    # A write stuck in the file system (a hung mount): the call gives up at its deadline; the
+    # newer write lands, and the stuck one, released afterwards, cannot replace it.
+    store = CanaryStore(str(tmp_path / "canary"))
+    release, entered, finished = threading.Event(), threading.Event(), threading.Event()
+    old = _golden(" old", generation=time.time_ns())
+
+    def stuck() -> None:
+        entered.set()
+        release.wait(10)
+        try:
+            store.save_golden(old)
+        finally:
+            finished.set()
+
+    with pytest.raises(TimeoutError):
+        await threads.in_thread(stuck, 0.2)
+    assert entered.is_set() and not finished.is_set()
+    new = _golden(" new", generation=time.time_ns())
+    await threads.in_thread(lambda: store.save_golden(new), 5)
+    release.set()
+    assert await asyncio.get_running_loop().run_in_executor(None, finished.wait, 10)
+    assert store.golden(KEY) == new
+    assert [p.name for p in (tmp_path / "canary").iterdir()] == [f"golden-{KEY}.json"]
