@@ -72,3 +72,39 @@ def test_the_readme_status_command_shows_the_seeded_traceback(tmp_path: Path) ->
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.slow
+def test_the_wrong_answer_demo_shows_the_mismatch_caught_not_learned(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("KIMI_SERVE_CONFIG", "NOTIFY_SOCKET")}
+    proc = subprocess.Popen(
+        [str(KIMI_SERVE), "demo", "--fault", "wrong-answer", "--load-seconds", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "new=ready" in line:
+                break
+        out = "".join(lines)
+        assert "its known answer fails" in out  # the banner says what to watch
+        caught = next(i for i, ln in enumerate(lines) if "reason=canary_mismatch" in ln)
+        assert "known answer to 'kimi serves answers' fails" in lines[caught]
+        learned = next(i for i, ln in enumerate(lines) if "canary golden learned" in ln)
+        assert caught < learned, "the wrong answer is never learned"
+        assert "(launch 2; faults: none)" in "".join(lines[caught:learned])
+        assert sum("new=ready" in ln for ln in lines) == 1 and "new=ready" in lines[-1]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
