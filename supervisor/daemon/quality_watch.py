@@ -47,7 +47,14 @@ from supervisor.quality import (
     startup_evidence,
 )
 from supervisor.quality.asking import ask
-from supervisor.quality.golden import CanaryStore, Golden, default_dir, golden_key, model_identity
+from supervisor.quality.golden import (
+    CanaryStore,
+    Golden,
+    default_dir,
+    golden_key,
+    layout,
+    model_identity,
+)
 from supervisor.sglang import endpoints
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import (
@@ -89,6 +96,7 @@ class _LaunchQuality:
     speed: SpeedWatch
     spec: SpecWatch
     graph: GraphWatch
+    layout: str = ""
     key: str | None = None
     identity: str | None = None
     version: str | None = None
@@ -108,6 +116,8 @@ def changed(prev: Golden, new: Golden) -> str:
         parts.append(f"SGLang {prev.sglang_version} -> {new.sglang_version}")
     if prev.identity != new.identity:
         parts.append(f"model files {prev.identity[:12]} -> {new.identity[:12]} ({new.model_path})")
+    if prev.layout != new.layout:
+        parts.append(f"layout {prev.layout or '(none)'} -> {new.layout or '(none)'}")
     what = ", ".join(parts) or "the golden key"
     return f"{what} changed, and the answer disagrees with the golden of {prev.key}"
 
@@ -142,6 +152,7 @@ class QualityWatch:
         self.cur = _LaunchQuality(
             launch=launch,
             speculative=spec.speculative,
+            layout=layout(spec.args),
             speed=SpeedWatch(),
             spec=SpecWatch(self.cfg.quality.spec_accept_floor),
             graph=GraphWatch(expected=not profile_disables_graphs(spec.argv)),
@@ -177,7 +188,9 @@ class QualityWatch:
             cur.identity = self._identities[path]
             cur.version = await sglang_version(self.http, base)
             ccfg = self.cfg.quality.canary
-            cur.key = golden_key(cur.identity, cur.version, ccfg.prompt, ccfg.max_tokens)
+            cur.key = golden_key(
+                cur.identity, cur.version, ccfg.prompt, ccfg.max_tokens, cur.layout
+            )
         return cur.key
 
     async def canary(self, launch: int, gate: ProbeGate) -> CanaryOutcome:
@@ -217,6 +230,7 @@ class QualityWatch:
             learned_at=at,
             how="received",
             generation=time.time_ns(),
+            layout=cur.layout,
         )
         state, detail = MATCHED, ""
         if golden is None:

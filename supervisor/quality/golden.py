@@ -27,7 +27,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +85,44 @@ def _one_file(h: Any, rel: str, path: Path) -> None:
             h.update(f.read(SAMPLE_BYTES))
 
 
-def golden_key(identity: str, sglang_version: str, prompt: str, max_tokens: int) -> str:
+# The launch's flags that change the numerics, and so a golden: the parallel layout, the
+# kernels, the precision, speculation. A profile that changes one (the fallback, another tp)
+# has a key of its own, verified against the previous key's golden before it is learned.
+LAYOUT_FLAGS = (
+    "tp-size",
+    "tensor-parallel-size",
+    "dp-size",
+    "data-parallel-size",
+    "pp-size",
+    "pipeline-parallel-size",
+    "ep-size",
+    "expert-parallel-size",
+    "enable-dp-attention",
+    "attention-backend",
+    "quantization",
+    "dtype",
+    "kv-cache-dtype",
+    "moe-runner-backend",
+    "speculative-algorithm",
+    "speculative-draft-model-path",
+    "speculative-num-steps",
+    "speculative-eagle-topk",
+    "speculative-num-draft-tokens",
+)
+
+
+def layout(args: Mapping[str, object]) -> str:
+    """The launch's LAYOUT_FLAGS that are set, as `flag=value` joined by spaces ("" for none)."""
+    return " ".join(f"{k}={args[k]}" for k in LAYOUT_FLAGS if args.get(k) not in (None, False, ""))
+
+
+def golden_key(
+    identity: str, sglang_version: str, prompt: str, max_tokens: int, layout: str = ""
+) -> str:
+    """A launch without layout flags keeps the key it had before they were part of it."""
     raw = f"{identity}\n{sglang_version}\n{max_tokens}\n{prompt}"
+    if layout:
+        raw += f"\nlayout {layout}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -107,6 +143,7 @@ class Golden:
     verified_against: str | None = None
     # When the write was asked for (time.time_ns()): an older write never replaces a newer one.
     generation: int = 0
+    layout: str = ""  # the launch's layout flags (`layout()`), part of the key
 
     @property
     def known_ok(self) -> bool:
@@ -117,6 +154,7 @@ class Golden:
             "known": [k.to_json() for k in self.known],
             "verified_against": self.verified_against,
             "generation": self.generation,
+            "layout": self.layout,
             "key": self.key,
             "answer": self.answer.to_json(),
             "model_path": self.model_path,
@@ -149,6 +187,7 @@ class Golden:
             known=tuple(k for k in known if k is not None),
             verified_against=against if isinstance(against, str) and _KEY.match(against) else None,
             generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else 0,
+            layout=doc["layout"] if isinstance(doc.get("layout"), str) else "",
             key=doc["key"],
             answer=answer,
             model_path=doc["model_path"],

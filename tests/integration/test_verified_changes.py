@@ -26,12 +26,10 @@ def _env(**env: str) -> dict[str, Any]:
     return {"env": env}
 
 
-def _restart_reason(d: Any, reason: str, timeout: float = 60.0) -> dict[str, Any]:
-    return d.wait_for(
-        lambda e: e.get("event") == "state" and e.get("reason") == reason,
-        timeout,
-        what=f"{reason} restart",
-    )
+def _long_requests_hang(**env: str) -> dict[str, Any]:
+    """Every request of 16 tokens or more hangs; the 8-token probes answer."""
+    hang = {"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": "0"}
+    return _env(**hang, STANDIN_HANG_MIN_TOKENS="16", **env)
 
 
 def _ready_before(states: list[str], end: str = "restarting") -> bool:
@@ -43,30 +41,14 @@ def test_long_requests_hang_short_probes_answer_never_ready(tmp_path: Path) -> N
     # Every 16-token request hangs while 8-token probes answer: the canary never answers.
     cfg = base_config(
         tmp_path,
-        sglang=_env(
-            STANDIN_FAULT="decode-hang",
-            STANDIN_HANG_AFTER_DECODES="0",
-            STANDIN_HANG_MIN_TOKENS="16",
-            STANDIN_FAULT_LAUNCH="1",
-        ),
+        sglang=_long_requests_hang(STANDIN_FAULT_LAUNCH="1"),
         readiness={"probe": {"timeout": "1s"}},
     )
     with running(tmp_path, cfg) as d:
-        tries = [
-            d.wait_for(
-                lambda e: (
-                    e.get("event") == "state"
-                    and e.get("reason") == "canary_unavailable"
-                    and e.get("new") == "warming"
-                ),
-                30,
-                what="a canary try",
-            )
-            for _ in range(2)
-        ]
+        tries = [d.wait_reason("canary_unavailable", 30, new="warming") for _ in range(2)]
         assert "no canary answer within 1s (1/3)" in tries[0]["detail"]
         assert "(2/3)" in tries[1]["detail"]
-        restart = _restart_reason(d, "canary_unavailable")
+        restart = d.wait_reason("canary_unavailable", 60)
         assert restart["new"] == "restarting" and "(3/3)" in restart["detail"]
         assert not _ready_before(d.states())
         d.wait_state("ready", 40)  # launch 2 has no fault
@@ -86,11 +68,7 @@ def test_decode_hang_is_never_ready(tmp_path: Path) -> None:
         readiness={"probe": {"timeout": "1s"}},
     )
     with running(tmp_path, cfg) as d:
-        d.wait_for(
-            lambda e: e.get("event") == "state" and e.get("reason") == "canary_unavailable",
-            30,
-            what="the canary's miss",
-        )
+        d.wait_reason("canary_unavailable", 30)
         d.wait_state("restarting", 30)
         assert not _ready_before(d.states())
         d.wait_state("ready", 40)
@@ -100,11 +78,7 @@ def test_decode_hang_is_never_ready(tmp_path: Path) -> None:
 def test_alert_is_ready_without_a_canary_answer(tmp_path: Path) -> None:
     cfg = base_config(
         tmp_path,
-        sglang=_env(
-            STANDIN_FAULT="decode-hang",
-            STANDIN_HANG_AFTER_DECODES="0",
-            STANDIN_HANG_MIN_TOKENS="16",
-        ),
+        sglang=_long_requests_hang(),
         readiness={"probe": {"timeout": "1s"}},
         quality={"canary": {"policy": "alert"}},
     )
@@ -122,7 +96,7 @@ def test_a_wrong_first_answer_is_caught_by_the_known_answers_not_learned(tmp_pat
     )
     store = canary_store.CanaryStore(str(tmp_path / "state" / "canary"))
     with running(tmp_path, cfg) as d:
-        restart = _restart_reason(d, "canary_mismatch")
+        restart = d.wait_reason("canary_mismatch", 60)
         assert "known answer to 'alpha beta gamma' fails" in restart["detail"]
         assert store.goldens() == [], "the wrong answer is never learned"
         last = store.last()
@@ -153,7 +127,7 @@ def test_a_changed_key_is_verified_against_the_previous_golden(tmp_path: Path) -
     # Another version again, answering wrong: canary_mismatch naming what changed.
     cfg["sglang"]["env"].update(STANDIN_SGLANG_VERSION="0.5.25", STANDIN_FAULT="wrong-answer")
     with running(tmp_path, cfg) as d:
-        restart = _restart_reason(d, "canary_mismatch")
+        restart = d.wait_reason("canary_mismatch", 60)
         assert "SGLang 0.5.24 -> 0.5.25 changed" in restart["detail"]
         assert f"the golden of {new.key}" in restart["detail"]
         assert not any(g.sglang_version == "0.5.25" for g in store.goldens())

@@ -39,7 +39,7 @@ from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import ProbeGate, Progress
-from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result
+from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result, with_canary
 
 
 def answer(tokens: list[int], margins: list[float | None], top2: list[int] | None = None) -> Answer:
@@ -363,12 +363,7 @@ def test_readiness_probe_carries_the_canary() -> None:
     d = Drive().loading()
     probes = [a for a in d.send(PortOpen(d.launch)) if isinstance(a, StartProbe)]
     assert len(probes) == 1 and probes[0].canary
-    off = dataclasses.replace(
-        CFG,
-        quality=dataclasses.replace(
-            CFG.quality, canary=dataclasses.replace(CFG.quality.canary, enabled=False)
-        ),
-    )
+    off = with_canary(enabled=False)
     d = Drive(off).loading()
     probes = [a for a in d.send(PortOpen(d.launch)) if isinstance(a, StartProbe)]
     assert len(probes) == 1 and not probes[0].canary
@@ -395,13 +390,7 @@ def test_gate_mismatch_is_never_ready_and_counts_towards_the_crash_loop() -> Non
 
 
 def test_alert_mismatch_is_ready() -> None:
-    cfg = dataclasses.replace(
-        CFG,
-        quality=dataclasses.replace(
-            CFG.quality, canary=dataclasses.replace(CFG.quality.canary, policy="alert")
-        ),
-    )
-    d = Drive(cfg).warming()
+    d = Drive(with_canary(policy="alert")).warming()
     d.send(ProbeDone(d.launch, ProbeKind.READINESS, ok_result(), canary_mismatch=MISMATCH))
     assert d.state is State.READY
 

@@ -33,9 +33,10 @@ from supervisor.core.machine import (
     TimerName,
     Transitioned,
 )
+from supervisor.daemon.quality_watch import changed
 from supervisor.quality import Answer
-from supervisor.quality.golden import CanaryStore, Golden, golden_key
-from testkit.machine import CFG, Drive, make_cfg, ok_result
+from supervisor.quality.golden import CanaryStore, Golden, golden_key, layout
+from testkit.machine import Drive, make_cfg, ok_result, with_canary
 
 REPO = Path(__file__).resolve().parents[2]
 NO_ANSWER = "no canary answer within 5s"
@@ -100,13 +101,7 @@ def test_a_canary_answer_after_a_miss_makes_ready() -> None:
 
 
 def test_alert_is_ready_without_a_canary_answer() -> None:
-    cfg = dataclasses.replace(
-        CFG,
-        quality=dataclasses.replace(
-            CFG.quality, canary=dataclasses.replace(CFG.quality.canary, policy="alert")
-        ),
-    )
-    d = Drive(cfg).warming()
+    d = Drive(with_canary(policy="alert")).warming()
     _no_canary(d)
     assert d.state is State.READY
 
@@ -201,3 +196,19 @@ async def test_the_daemons_store_call_is_abandoned_at_its_deadline_and_lands_not
     assert await asyncio.get_running_loop().run_in_executor(None, finished.wait, 10)
     assert store.golden(KEY) == new
     assert [p.name for p in (tmp_path / "canary").iterdir()] == [f"golden-{KEY}.json"]
+
+
+def test_the_layout_is_part_of_the_key_and_named_when_it_changed() -> None:
+    args = {"tp-size": 8, "speculative-algorithm": "EAGLE3", "mem-fraction-static": 0.9}
+    assert layout(args) == "tp-size=8 speculative-algorithm=EAGLE3"
+    assert layout({"speculative-algorithm": None, "enable-dp-attention": False}) == ""
+    plain = golden_key("id", "0.5.23", "p", 16)
+    assert golden_key("id", "0.5.23", "p", 16, "") == plain, "no layout: the key it had"
+    assert golden_key("id", "0.5.23", "p", 16, layout(args)) != plain
+    old = dataclasses.replace(_golden(" a", 1), layout=layout(args))
+    new = dataclasses.replace(old, key="f" * 32, layout="tp-size=8", sglang_version="0.5.24")
+    assert changed(old, new) == (
+        "SGLang 0.5.23 -> 0.5.24, layout tp-size=8 speculative-algorithm=EAGLE3 -> tp-size=8 "
+        f"changed, and the answer disagrees with the golden of {KEY}"
+    )
+    assert Golden.from_json(new.to_json()) == new
