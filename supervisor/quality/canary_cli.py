@@ -17,7 +17,7 @@ import json
 from typing import Any, TextIO
 
 from supervisor.config import Config
-from supervisor.exits import EX_CONFIG, EX_NOTHING, EX_OK, EX_REFUSED
+from supervisor.exits import EX_CONFIG, EX_NOTHING, EX_OK, EX_REFUSED, EX_UNREACHABLE
 from supervisor.quality import KnownResult, checked_prefix, compare
 from supervisor.quality.golden import CanaryStore, Golden, default_dir
 
@@ -201,7 +201,7 @@ def _try(cfg: Config, as_json: bool, out: TextIO, err: TextIO) -> int:
                 file=out,
             )
     if any(got is None for _, _, got, _ in rows):
-        return EX_NOTHING
+        return EX_UNREACHABLE
     return EX_OK if all(k.ok for k in results) else EX_REFUSED
 
 

@@ -397,3 +397,19 @@ def test_canary_command_show_accept_forget(
     assert "forgot 1 golden answer(s) and the last received answer" in capsys.readouterr().out
     assert store.goldens() == [] and store.last() is None
     assert cli.main(["canary", "accept", "--yes", *conf]) == 1
+
+
+def test_canary_try_without_a_server_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from testkit import free_port
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(
+        f"sglang:\n  model_path: /m\n  port: {free_port()}\nstate_dir: {tmp_path / 'state'}\n"
+        "quality:\n  known_answers: [{prompt: 'The capital of France is', expect: Paris}]\n"
+    )
+    assert cli.main(["canary", "try", "--config", str(cfg)]) == 4
+    out = capsys.readouterr().out
+    assert "canary  canary request failed" in out
+    assert "known   FAIL known answer to 'The capital of France is': canary request failed" in out
