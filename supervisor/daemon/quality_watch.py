@@ -254,7 +254,6 @@ class QualityWatch:
                 verified_against=golden.verified_against,
                 known_answers=len(golden.known),
             )
-        await self._save_last(record)
         if golden.answer.server_measured:
             cur.speed.golden_tps = golden.answer.tokens_per_second
         cur.canary_speed = (got.tokens_per_second, got.server_measured)
@@ -263,8 +262,15 @@ class QualityWatch:
         if verdict.weak:
             base_doc["weak"] = True
         if state == MATCHED and not verdict.match:
+            # The known answers' results go with the received answer, for `canary accept`
+            # to show (and to refuse it if they fail); without an answer, none are recorded.
+            known = await self._ask_known(cur, base, gate, timeout)
+            if not isinstance(known, CanaryOutcome):
+                record = dataclasses.replace(record, known=tuple(known))
+            await self._save_last(record)
             detail = verdict.detail(golden.answer, got)
             return self._mismatch(cur, golden, key, detail, took, got, verdict.checked)
+        await self._save_last(record)
         cur.canary = {"state": state, **base_doc}
         self._changed(CANARY_MISMATCH, False, detail)
         return CanaryOutcome()
@@ -274,15 +280,9 @@ class QualityWatch:
     ) -> tuple[Golden, str | None] | CanaryOutcome:
         """A new key's answer before it is learned: (the record with what it was checked
         against, why it is wrong or None), or no evidence (a known answer got no answer)."""
-        known: list[KnownResult] = []
-        for prompt, expect in self.cfg.quality.known_answers:
-            n = known_tokens(expect)
-            got, _ = await gate.exclusive(
-                functools.partial(ask, self.http, base, prompt, n, timeout)
-            )
-            if isinstance(got, str):
-                return self._unknown(cur, f"known answer to {prompt!r}: {got}")
-            known.append(KnownResult(prompt, expect, got.text))
+        known = await self._ask_known(cur, base, gate, timeout)
+        if isinstance(known, CanaryOutcome):
+            return known
         record = dataclasses.replace(record, known=tuple(known))
         failed = [k for k in known if not k.ok]
         if failed:
@@ -300,6 +300,21 @@ class QualityWatch:
         if verdict.match:
             return record, None
         return record, f"{changed(prev, record)}: {verdict.detail(prev.answer, record.answer)}"
+
+    async def _ask_known(
+        self, cur: _LaunchQuality, base: str, gate: ProbeGate, timeout: float
+    ) -> list[KnownResult] | CanaryOutcome:
+        """quality.known_answers asked of the launch, or no evidence (one got no answer)."""
+        known: list[KnownResult] = []
+        for prompt, expect in self.cfg.quality.known_answers:
+            n = known_tokens(expect)
+            got, _ = await gate.exclusive(
+                functools.partial(ask, self.http, base, prompt, n, timeout)
+            )
+            if isinstance(got, str):
+                return self._unknown(cur, f"known answer to {prompt!r}: {got}")
+            known.append(KnownResult(prompt, expect, got.text))
+        return known
 
     def _doc(
         self, golden: Golden, got: Answer, checked: int, took: float, at: float

@@ -97,9 +97,10 @@ def _confirmed(question: str, stdin: TextIO, out: TextIO) -> bool:
 
 
 def _accept(
-    store: CanaryStore, directory: str, args: argparse.Namespace, io: tuple[TextIO, TextIO, TextIO]
+    store: CanaryStore, cfg: Config, args: argparse.Namespace, io: tuple[TextIO, TextIO, TextIO]
 ) -> int:
     stdin, out, err = io
+    directory = default_dir(cfg.state_dir)
     last = store.last()
     if last is None:
         print(
@@ -107,12 +108,16 @@ def _accept(
         )
         return EX_NOTHING
     _describe(last, out, "would accept")
-    if not last.known:
-        print("  known      none asked (quality.known_answers)", file=out)
+    asked = {(k.prompt, k.expect) for k in last.known}
+    unasked = [p for p, e in cfg.quality.known_answers if (p, e) not in asked]
+    for prompt in unasked:
+        print(f"  known      FAIL known answer to {prompt!r}: not asked of this answer", file=out)
+    if not cfg.quality.known_answers and not last.known:
+        print("  known      none configured (quality.known_answers)", file=out)
     diff = differs(store.goldens(), last)
     if diff is not None:
         print(f"  replaces   the golden of its key, which it differs from: {diff}", file=out)
-    if not last.known_ok and not args.force:
+    if (unasked or not last.known_ok) and not args.force:
         print(
             "kimi-serve canary accept: refused: the answer failed the known answers "
             "(--force accepts it all the same)",
@@ -212,7 +217,7 @@ def run(args: argparse.Namespace, cfg: Config, stdin: TextIO, out: TextIO, err: 
         case "show":
             return _show(store, directory, args.json, out)
         case "accept":
-            return _accept(store, directory, args, (stdin, out, err))
+            return _accept(store, cfg, args, (stdin, out, err))
         case "forget":
             return _forget(store, directory, out, err)
         case _:

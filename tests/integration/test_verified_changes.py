@@ -153,3 +153,29 @@ def test_canary_try_prints_the_known_answers(
         doc = json.loads(capsys.readouterr().out)
         assert [k["ok"] for k in doc["known_answers"]] == [True, False]
         assert doc["canary"]["got"].startswith(" The quick brown fox")
+
+
+def test_a_mismatch_records_the_known_answers_and_accept_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = base_config(
+        tmp_path,
+        sglang=_env(STANDIN_FAULT="wrong-answer", STANDIN_FAULT_LAUNCH="2"),
+        quality={"known_answers": KNOWN},
+    )
+    store = canary_store.CanaryStore(str(tmp_path / "state" / "canary"))
+    path = tmp_path / "accept.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        (golden,) = store.goldens()
+        assert d.post("/restart").status_code == 202
+        d.wait_reason("canary_mismatch", 60)  # launch 2: the same key, another answer
+        last = store.last()
+        assert last is not None and last.key == golden.key
+        assert [k.ok for k in last.known] == [False], "asked, for accept to show"
+        assert cli.main(["canary", "accept", "--yes", "--config", str(path)]) == 1
+        captured = capsys.readouterr()
+        assert "FAIL known answer to 'alpha beta gamma' fails" in captured.out
+        assert "refused" in captured.err
+        assert store.golden(golden.key) == golden

@@ -413,3 +413,26 @@ def test_canary_try_without_a_server_says_so(
     out = capsys.readouterr().out
     assert "canary  canary request failed" in out
     assert "known   FAIL known answer to 'The capital of France is': canary request failed" in out
+
+
+def test_canary_accept_refuses_an_answer_the_known_answers_were_not_asked_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from supervisor.quality import Answer
+    from supervisor.quality.golden import CanaryStore, Golden, golden_key
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(
+        f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n"
+        "quality:\n  known_answers: [{prompt: 'The capital of France is', expect: Paris}]\n"
+    )
+    store = CanaryStore(str(tmp_path / "state" / "canary"))
+    key = golden_key("id", "0.5.23", "p", 16)
+    answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
+    store.save_last(Golden(key, answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
+    assert cli.main(["canary", "accept", "--yes", "--config", str(cfg)]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL known answer to 'The capital of France is': not asked" in captured.out
+    assert "refused" in captured.err and store.goldens() == []
+    assert cli.main(["canary", "accept", "--yes", "--force", "--config", str(cfg)]) == 0
+    assert [g.answer.text for g in store.goldens()] == [" hi there"]
