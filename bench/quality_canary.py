@@ -3,7 +3,7 @@
     SGLANG_ENV_DIR=/path/to/env .venv/bin/python -m bench quality-canary [--n 35]
 
 One real SGLang 0.5.23 server (testkit/realsglang.py) serving the canary model of
-tools/make-canary-model. The first canary answer (supervisor.daemon.quality_watch.ask) is the
+tools/make-canary-model. The first canary answer (supervisor.quality.asking.ask) is the
 golden;
 then `--n` canaries in each of three conditions are compared with it exactly as the daemon
 compares them (supervisor.quality.compare):
@@ -29,7 +29,7 @@ import httpx
 
 from bench.common import parser
 from supervisor import quality
-from supervisor.daemon.quality_watch import ask
+from supervisor.quality.asking import ask
 from testkit import realsglang as real
 
 

@@ -350,13 +350,11 @@ def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def cmd_canary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor.quality import canary_cli
-    from supervisor.quality import golden as canary_store
 
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    directory = canary_store.default_dir(cfg.state_dir)
-    return canary_cli.run(args.action, directory, args.json, out, err)
+    return canary_cli.run(args, cfg, sys.stdin, out, err)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -458,10 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "canary",
         cmd_canary,
-        "the canary's golden answers: show them, accept the last answer, or forget them",
+        "the canary's golden answers: show them, accept the last answer, or forget them; "
+        "try: what the running model answers to the known answers",
     )
-    p.add_argument("action", choices=["show", "accept", "forget"])
-    p.add_argument("--json", action="store_true", help="print JSON (show)")
+    from supervisor.quality import canary_cli
+
+    canary_cli.arguments(p)
     p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
     p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
     p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")

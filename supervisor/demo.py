@@ -58,7 +58,19 @@ gpus: {{manage: false}}
 admin: {{listen: "127.0.0.1:{admin_port}"}}
 state_dir: {state_dir}
 logging: {{format: console, level: info}}
+# The stand-in answers a prompt's words, repeated: a known answer a wrong model fails
+# (`--fault wrong-answer`: the first launch's garbage is caught, never learned as the golden).
+quality:
+  known_answers:
+    - {{prompt: "kimi serves answers", expect: "kimi serves answers kimi"}}
 """
+
+
+_WHAT = {
+    "wrong-answer": "\n            the first launch answers other tokens: its known answer fails,"
+    "\n            so it is never ready and nothing is learned (canary_mismatch); the next"
+    "\n            launch is verified, then learned (`kimi-serve canary show --config ...`)",
+}
 
 
 def _console_script() -> str:
@@ -143,7 +155,7 @@ kimi-serve demo: the real supervisor, with a stand-in playing SGLang (no GPU nee
   ready?    curl -i {admin}/readyz
   metrics:  curl {admin}/metrics
   SGLang:   http://127.0.0.1:{cfg.sglang.port} (the stand-in; try /generate)
-  fault:    {fault or "none (try --fault seed-incident)"}
+  fault:    {fault or "none (try --fault seed-incident)"}{_WHAT.get(fault or "", "")}
 Press Ctrl-C to stop: SGLang is stopped and nothing is left running.
 """,
             file=out,

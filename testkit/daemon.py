@@ -194,6 +194,20 @@ class DaemonProcess:
             lambda e: e.get("event") == "state" and e.get("new") == state, timeout, state
         )
 
+    def wait_reason(
+        self, reason: str, timeout: float = 20.0, new: str | None = None
+    ) -> dict[str, Any]:
+        """The next state event with this reason (into state `new`, if given)."""
+        return self.wait_for(
+            lambda e: (
+                e.get("event") == "state"
+                and e.get("reason") == reason
+                and new in (None, e.get("new"))
+            ),
+            timeout,
+            f"{reason} ({new or 'any state'})",
+        )
+
     def states(self) -> list[str]:
         """States seen so far, including events not yet waited for."""
         while True:

@@ -2,13 +2,15 @@
 
 - `Drive(cfg, now)`: a `Machine` and its clock; `d.ready()`, `d.crash()`, ... walk it to a state
   and assert that it landed there; `send(event, after)` advances the clock.
-- `make_cfg(**over)`, `CFG`: a validated config (a fallback profile, fast timings).
+- `make_cfg(**over)`, `CFG`: a validated config (a fallback profile, fast timings);
+  `with_canary(cfg, policy="alert")`: the same with other quality.canary settings.
 - `ok_result`, `failed_result`, `not_up_result`, `ZERO_TOKENS`: probe results.
 - `transitions`, `of`, `backoff_delays`, `events`: what a list of actions holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,6 +71,14 @@ gpus:
 
 
 CFG = make_cfg()
+
+
+def with_canary(cfg: Config = CFG, **canary: Any) -> Config:
+    """`cfg` with quality.canary's fields replaced (policy="alert", enabled=False)."""
+    quality = dataclasses.replace(
+        cfg.quality, canary=dataclasses.replace(cfg.quality.canary, **canary)
+    )
+    return dataclasses.replace(cfg, quality=quality)
 
 
 def ok_result(tokens: int = 8) -> ProbeResult:

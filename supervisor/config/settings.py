@@ -77,6 +77,25 @@ def _canary_prompt(value: object) -> str:
     return text
 
 
+def _known_answers(value: object) -> tuple[tuple[str, str], ...]:
+    """[{prompt, expect}, ...] -> ((prompt, expect), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ValueError("expected a list of {prompt, expect}")
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"prompt", "expect"}:
+            raise ValueError(f"item {i} must be a mapping of exactly prompt and expect")
+        prompt, expect = item["prompt"], item["expect"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"item {i}: prompt must be a non-empty string")
+        if not isinstance(expect, str) or not expect.strip():
+            raise ValueError(f"item {i}: expect must be a non-empty string")
+        out.append((prompt, expect))
+    return tuple(out)
+
+
 REQUIRED = object()
 
 
@@ -357,11 +376,17 @@ SETTINGS: tuple[Setting, ...] = (
     S("quality.canary.max_tokens", _int_in(2, 256), 16, "tokens generated (2-256)"),
     S("quality.canary.policy", _choice(*CANARY_POLICIES), "gate",
       "`gate`: a launch whose canary differs is never ready (restart reason `canary_mismatch`, "
-      "counted towards the crash loop, so the fallback profile is tried); `alert`: ready, the "
-      "mismatch reported"),
+      "counted towards the crash loop, so the fallback profile is tried), nor one whose canary "
+      "gets no answer 3 times (`canary_unavailable`); `alert`: ready, the mismatch reported"),
     S("quality.canary.interval", _positive_duration, "10m",
       "while serving, the first liveness probe after this long carries the canary (never a "
       "second probe in flight); a mismatch then is reported, never a restart"),
+    S("quality.known_answers", _known_answers, [],
+      "prompts whose greedy answer must begin with `expect` (whitespace before either "
+      "ignored), `[{prompt, expect}]`: asked at every launch of a new golden key (another "
+      "SGLang version, other model files), so a first launch's answer is never trusted "
+      "unchecked; one that fails is `canary_mismatch`. `kimi-serve canary try` shows what "
+      "the running model answers ([docs/quality.md](docs/quality.md))"),
     S("quality.spec_accept_floor", _floor, 1.3,
       "with speculative decoding configured: a mean accept length (SGLang's "
       "`sglang:spec_accept_length`, else the probes') below it is `spec_collapse`"),

@@ -227,6 +227,7 @@ class QualityConfig:
     """Serving quality (docs/quality.md): the canary, speculation's accept length."""
 
     canary: CanaryConfig = CanaryConfig()
+    known_answers: tuple[tuple[str, str], ...] = default("quality.known_answers")
     spec_accept_floor: float = default("quality.spec_accept_floor")
     on_spec_collapse: str = default("quality.on_spec_collapse")  # alert | fallback
 

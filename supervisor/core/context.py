@@ -21,6 +21,9 @@ from supervisor.core.states import EDGES, Reason, State, TimerName
 # time limit (docs/sglang.md, "Shutdown").
 _REQUESTED = frozenset({Reason.MANUAL, Reason.RELOAD})
 PROBE_RETRY_DELAY = 0.25
+# Readiness probes whose canary may get no answer before the launch is restarted
+# (canary_unavailable): a bounded number, not the whole load budget.
+CANARY_TRIES = 3
 ILLEGAL = "illegal transition"
 
 
@@ -53,6 +56,7 @@ class Context:
     host_retries: int = 0
     ever_ready: bool = False  # READY=1 has been sent once: systemd's start job is over
     canary_at: float | None = None  # when the launch's last canary was asked for
+    canary_tries: int = 0  # readiness canaries of this launch that got no answer
     # restart.mode: exit — stopping to let the orchestrator relaunch: exit once the host is clean.
     handing_over: bool = False
     # An effect of the daemon failed: it stops cleanly, and exits 1 whatever the stop's own code.

@@ -84,6 +84,8 @@ class ProbeDone:
     busy: bool = False
     # The canary ran with the probe and differs from the golden answer: expected and got.
     canary_mismatch: str | None = None
+    # The canary ran with the probe and got no answer (an error, a timeout): why.
+    canary_unavailable: str | None = None
     # SGLang's counters as read beside the probe (probing.decode), for the quality readings;
     # not part of the verdict.
     progress_before: Progress | None = field(default=None, compare=False)

@@ -33,6 +33,8 @@ readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
 liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
 liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
 readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
+readiness no canary    .    .    .    .    =    .    .    .    .    .    .    .
+liveness no canary     .    .    .    .    .    =    RDY  =    .    .    .    .
 liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
 timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
 timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
@@ -258,7 +260,8 @@ class Machine(ProbeRules, DrainRules):
     def stays_ready(self, verdict: Verdict) -> bool:
         """A reload with this verdict leaves a `ready` server serving (no restart follows):
         a newly configured router gets it at once (router.relink)."""
-        return verdict is Verdict.UNCHANGED and self.ctx.state is State.READY
+        unchanged = verdict is Verdict.UNCHANGED and self.ctx.profile == PRIMARY
+        return unchanged and self.ctx.state is State.READY
 
     def job_extension(self) -> float | None:
         """How long systemd's running start (or stop) job is to be extended, or None
@@ -344,8 +347,10 @@ class Machine(ProbeRules, DrainRules):
         if event.verdict is Verdict.INVALID:
             return [NotifyReloaded(ready, " (reload refused: config invalid)")]
         # Unchanged while `failed`: `failed` lasts until a reload, and the operator fixed the
-        # host, not the file.
-        if event.verdict is Verdict.UNCHANGED and self.ctx.state is not State.FAILED:
+        # host, not the file. Unchanged on the fallback profile: back to primary (the runbook's
+        # way back after a fix outside the file, a draft model or the SGLang venv).
+        unchanged = event.verdict is Verdict.UNCHANGED and self.ctx.profile == PRIMARY
+        if unchanged and self.ctx.state is not State.FAILED:
             return [NotifyReloaded(ready)]
         again = RestartRequested(Reason.RELOAD, back_to_primary=True)
         return [NotifyReloaded(ready), *self._requested(again, now)]
@@ -387,6 +392,7 @@ class Machine(ProbeRules, DrainRules):
         ctx.ready_at = None
         ctx.probe_in_flight = False
         ctx.liveness_failures = 0
+        ctx.canary_tries = 0
         ctx.pending = None
         ctx.host_message = ""
         ctx.host_retries = 0
@@ -424,10 +430,12 @@ class Machine(ProbeRules, DrainRules):
         if ctx.state in (State.STOPPING, State.STOPPED):
             return []
         actions: list[Action] = []
-        if event.back_to_primary and ctx.profile != PRIMARY:
+        # An operator's restart is the runbook's "back to primary" as much as a reload is.
+        primary = event.back_to_primary or event.reason is Reason.MANUAL
+        if primary and ctx.profile != PRIMARY:
             actions.append(ProfileChanged(ctx.profile, PRIMARY))
             ctx.profile = PRIMARY
-        if event.back_to_primary or ctx.state is State.FAILED:
+        if primary or ctx.state is State.FAILED:
             ctx.restarts.clear()
             ctx.backoff = self.cfg.restart.backoff_initial
         if ctx.state is State.FAILED:

@@ -5,7 +5,7 @@ collapse of speculation (`_spec_collapsed`), a readiness or liveness probe's res
 
 from __future__ import annotations
 
-from supervisor.core.context import PROBE_RETRY_DELAY
+from supervisor.core.context import CANARY_TRIES, PROBE_RETRY_DELAY
 from supervisor.core.events import (
     Action,
     CancelTimer,
@@ -76,6 +76,20 @@ class ProbeRules(RestartRules):
             *self._restart(Reason.SPEC_COLLAPSE, now, event.detail),
         ]
 
+    def _canary_unavailable(self, why: str, now: float) -> list[Action]:
+        """The gate fails closed: ready only on evidence. A canary with no answer is asked
+        again with the next readiness probe, CANARY_TRIES times in all, then the launch is
+        restarted (an incident, counted towards the crash loop like any other)."""
+        ctx = self.ctx
+        ctx.canary_tries += 1
+        detail = f"{why} ({ctx.canary_tries}/{CANARY_TRIES})"
+        if ctx.canary_tries >= CANARY_TRIES:
+            return self._restart(Reason.CANARY_UNAVAILABLE, now, detail)
+        return [
+            Transitioned(ctx.state, ctx.state, Reason.CANARY_UNAVAILABLE, detail),
+            SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, ctx.launch),
+        ]
+
     def _probe_done(self, event: ProbeDone, now: float) -> list[Action]:
         ctx = self.ctx
         r = event.result
@@ -85,6 +99,8 @@ class ProbeRules(RestartRules):
                 # Never ready on a wrong answer; counts towards the crash loop like any other
                 # unrequested restart, so the fallback profile is tried.
                 return self._restart(Reason.CANARY_MISMATCH, now, event.canary_mismatch)
+            if r.ok and event.canary_unavailable and ccfg.policy == "gate":
+                return self._canary_unavailable(event.canary_unavailable, now)
             if r.ok:
                 ctx.ready_at = now
                 ctx.ever_ready = True

@@ -39,6 +39,9 @@ class Reason(StrEnum):
     GROUP = "group"
     # quality.canary.policy gate: the launch's canary differs from the golden answer.
     CANARY_MISMATCH = "canary_mismatch"
+    # quality.canary.policy gate: no canary answer (an error, a timeout) after CANARY_TRIES
+    # readiness probes: no evidence the launch answers right, so it is not ready.
+    CANARY_UNAVAILABLE = "canary_unavailable"
     # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
     # restart.fallback_profile.
     SPEC_COLLAPSE = "spec_collapse"

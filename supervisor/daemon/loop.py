@@ -30,6 +30,7 @@ from supervisor.daemon import host, probing, reload, startup
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
+from supervisor.daemon.quality_watch import CanaryOutcome
 from supervisor.daemon.reload import Read
 from supervisor.daemon.wiring import Parts, wire
 from supervisor.exits import EX_CONFIG
@@ -333,11 +334,13 @@ class Daemon:
         decoded_before = None if before is None else before.realtime_decode
         if action.canary and done.result.ok:
             try:
-                mismatch = await self.quality.canary(action.launch, self.gate)
+                out = await self.quality.canary(action.launch, self.gate)
             except Exception as exc:  # the probe's verdict must reach the machine regardless
                 self.log.error("canary failed", error=f"{type(exc).__name__}: {exc}")
-                mismatch = None
-            done = dataclasses.replace(done, canary_mismatch=mismatch)
+                out = CanaryOutcome(unavailable=f"canary failed: {type(exc).__name__}")
+            done = dataclasses.replace(
+                done, canary_mismatch=out.mismatch, canary_unavailable=out.unavailable
+            )
         # Queued before anything is logged: a broken log must never hide a verdict.
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)

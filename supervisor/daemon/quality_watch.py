@@ -10,15 +10,15 @@ kimi_serve_quality_degraded{reason} series, and one log event per change (docs/q
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from supervisor import log, untrusted
+from supervisor import log, threads
 from supervisor.config import Config
 from supervisor.core.machine import ProbeDone, SpecCollapsed
 from supervisor.metrics import Metrics
@@ -36,21 +36,29 @@ from supervisor.quality import (
     UNKNOWN,
     Answer,
     GraphWatch,
+    KnownResult,
     SpecWatch,
     SpeedWatch,
     accept_length,
     compare,
     decode_speed,
-    parse_answer,
+    known_tokens,
     profile_disables_graphs,
     startup_evidence,
 )
-from supervisor.quality.golden import CanaryStore, Golden, default_dir, golden_key, model_identity
+from supervisor.quality.asking import ask
+from supervisor.quality.golden import (
+    CanaryStore,
+    Golden,
+    default_dir,
+    golden_key,
+    layout,
+    model_identity,
+)
 from supervisor.sglang import endpoints
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import (
     ProbeGate,
-    new_rid,
     progress_of,
     server_url,
 )
@@ -59,47 +67,20 @@ CANARY_TIMEOUT_S = 30.0
 # Decode tokens the counter may add beyond the probe's own (SGLang's warmup, rounding).
 OTHERS_SLACK_TOKENS = 2
 INFO_TIMEOUT_S = 10.0
+# The golden store's reads and writes (a few KiB) and the model's content identity (a few MiB
+# per TB): a hung mount abandons the call at its deadline (threads.in_thread), and the canary
+# has no evidence (canary_unavailable under the gate).
+STORE_TIMEOUT_S = 10.0
+IDENTITY_TIMEOUT_S = 120.0
 
 
-def canary_request(prompt: str, max_tokens: int, rid: str) -> dict[str, Any]:
-    """Greedy, with each position's top-2 logprobs (GenerateReqInput.return_logprob,
-    top_logprobs_num: managers/io_struct.py, 0.5.23)."""
-    return {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-        "stream": False,
-        "rid": rid,
-    }
+@dataclasses.dataclass(frozen=True)
+class CanaryOutcome:
+    """What the canary tells the machine (ProbeDone): a wrong answer (`mismatch`: expected,
+    got), or no evidence at all (`unavailable`: why). Neither: the answer is right."""
 
-
-async def ask(
-    http: httpx.AsyncClient,
-    base: str,
-    prompt: str,
-    max_tokens: int,
-    timeout: float,
-    clock: Callable[[], float] = time.monotonic,
-) -> tuple[Answer | str, float]:
-    """One canary request: (the answer or why there is none, seconds it took). A timed-out
-    request is aborted inside SGLang, as a probe is."""
-    rid = new_rid("canary")
-    start = clock()
-    body = canary_request(prompt, max_tokens, rid)
-    try:
-        status, raw = await endpoints.post_generate(http, base, "/generate", body, timeout)
-    except TimeoutError:
-        await endpoints.abort(http, base, rid, min(2.0, timeout))
-        return f"no canary answer within {timeout:g}s", clock() - start
-    except untrusted.BadAnswer as exc:
-        return f"canary answer: {exc}", clock() - start
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        return f"canary request failed: {exc or type(exc).__name__}", clock() - start
-    took = clock() - start
-    if status != 200:
-        return f"canary answer HTTP {status}", took
-    return parse_answer(raw, took), took
+    mismatch: str | None = None
+    unavailable: str | None = None
 
 
 async def sglang_version(http: httpx.AsyncClient, base: str) -> str:
@@ -115,6 +96,7 @@ class _LaunchQuality:
     speed: SpeedWatch
     spec: SpecWatch
     graph: GraphWatch
+    layout: str = ""
     key: str | None = None
     identity: str | None = None
     version: str | None = None
@@ -125,6 +107,19 @@ class _LaunchQuality:
     # The canary's speed (tokens/s, SGLang-measured), judged with its probe's (probe_done):
     # only there is it known whether others decoded meanwhile.
     canary_speed: tuple[float | None, bool] | None = None
+
+
+def changed(prev: Golden, new: Golden) -> str:
+    """What differs between the key of `prev` and that of `new`, in words."""
+    parts = []
+    if prev.sglang_version != new.sglang_version:
+        parts.append(f"SGLang {prev.sglang_version} -> {new.sglang_version}")
+    if prev.identity != new.identity:
+        parts.append(f"model files {prev.identity[:12]} -> {new.identity[:12]} ({new.model_path})")
+    if prev.layout != new.layout:
+        parts.append(f"layout {prev.layout or '(none)'} -> {new.layout or '(none)'}")
+    what = ", ".join(parts) or "the golden key"
+    return f"{what} changed, and the answer disagrees with the golden of {prev.key}"
 
 
 class QualityWatch:
@@ -157,6 +152,7 @@ class QualityWatch:
         self.cur = _LaunchQuality(
             launch=launch,
             speculative=spec.speculative,
+            layout=layout(spec.args),
             speed=SpeedWatch(),
             spec=SpecWatch(self.cfg.quality.spec_accept_floor),
             graph=GraphWatch(expected=not profile_disables_graphs(spec.argv)),
@@ -186,34 +182,43 @@ class QualityWatch:
             path = self.cfg.sglang.model_path
             if path not in self._identities:
                 # A few MiB read per TB of weights (canary_store): off the loop all the same.
-                self._identities[path] = await asyncio.to_thread(model_identity, path)
+                self._identities[path] = await threads.in_thread(
+                    lambda: model_identity(path), IDENTITY_TIMEOUT_S
+                )
             cur.identity = self._identities[path]
             cur.version = await sglang_version(self.http, base)
             ccfg = self.cfg.quality.canary
-            cur.key = golden_key(cur.identity, cur.version, ccfg.prompt, ccfg.max_tokens)
+            cur.key = golden_key(
+                cur.identity, cur.version, ccfg.prompt, ccfg.max_tokens, cur.layout
+            )
         return cur.key
 
-    async def canary(self, launch: int, gate: ProbeGate) -> str | None:
-        """Run the canary; the mismatch detail (expected, got) or None. No golden yet: this
-        answer becomes it (the probe before it verified the launch decodes)."""
+    async def canary(self, launch: int, gate: ProbeGate) -> CanaryOutcome:
+        """Run the canary against the golden of this key. No golden yet (a new key: another
+        SGLang version, other model files): the answer is verified first, against the known
+        answers and the previous key's golden, and only then learned."""
         cur, ccfg = self.cur, self.cfg.quality.canary
         if cur is None or cur.launch != launch or not ccfg.enabled:
-            return None
+            return CanaryOutcome()
         base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
-        key = await self._key(cur, base)
         timeout = min(CANARY_TIMEOUT_S, max(self.cfg.readiness.probe.timeout, 1.0))
+        try:
+            key = await self._key(cur, base)
+        except (TimeoutError, OSError) as exc:
+            return self._unknown(cur, f"model identity unreadable: {exc or 'timed out'}")
         got, took = await gate.exclusive(
             lambda: ask(self.http, base, ccfg.prompt, ccfg.max_tokens, timeout)
         )
         self.canaries += 1
-        at = self.wall()
         if cur.first_canary_ms is None:
             cur.first_canary_ms = took * 1000
         if isinstance(got, str):
-            cur.canary = {**cur.canary, "state": UNKNOWN, "at": at, "error": got}
-            self.log.warning("canary", outcome="unknown", error=got)
-            self._publish()
-            return None
+            return self._unknown(cur, got)
+        try:
+            golden = await self._store(lambda: self.store.golden(key))
+        except (TimeoutError, OSError) as exc:
+            return self._unknown(cur, f"golden unreadable: {exc or 'timed out'}")
+        at = self.wall()
         record = Golden(
             key=key,
             answer=got,
@@ -224,45 +229,145 @@ class QualityWatch:
             max_tokens=ccfg.max_tokens,
             learned_at=at,
             how="received",
+            generation=time.time_ns(),
+            layout=cur.layout,
         )
-        try:
-            await asyncio.to_thread(self.store.save_last, record)
-            golden = await asyncio.to_thread(self.store.golden, key)
-            if golden is None:
-                golden = dataclasses.replace(record, how="learned")
-                await asyncio.to_thread(self.store.save_golden, golden)
-                state, detail = LEARNED, "golden answer learned"
-            else:
-                state, detail = MATCHED, ""
-        except OSError as exc:
-            cur.canary = {**cur.canary, "state": UNKNOWN, "at": at, "error": str(exc)}
-            self.log.error("canary store unwritable", dir=str(self.store.dir), error=str(exc))
-            self._publish()
-            return None
+        state, detail = MATCHED, ""
+        if golden is None:
+            verified = await self._verify(cur, base, gate, record, timeout)
+            if isinstance(verified, CanaryOutcome):
+                return verified
+            record, failure = verified
+            if failure is not None:
+                await self._save_last(record)
+                return self._mismatch(cur, record, key, failure, took)
+            golden = dataclasses.replace(record, how="learned")
+            try:
+                await self._store(lambda: self.store.save_golden(golden))
+            except (TimeoutError, OSError) as exc:
+                self.log.error("canary store unwritable", dir=str(self.store.dir), error=str(exc))
+                return self._unknown(cur, f"golden not learned: {exc or 'timed out'}")
+            state, detail = LEARNED, "golden answer learned"
+            self.log.info(
+                "canary golden learned",
+                key=key,
+                verified_against=golden.verified_against,
+                known_answers=len(golden.known),
+            )
         if golden.answer.server_measured:
             cur.speed.golden_tps = golden.answer.tokens_per_second
         cur.canary_speed = (got.tokens_per_second, got.server_measured)
         verdict = compare(golden.answer, got)
-        base_doc = {
-            "at": at,
-            "expected": golden.answer.text,
-            "got": got.text,
-            "checked_tokens": verdict.checked,
-            "golden": golden.how,
-            "ms": round(took * 1000, 1),
-        }
+        base_doc = self._doc(golden, got, verdict.checked, took, at)
         if verdict.weak:
             base_doc["weak"] = True
         if state == MATCHED and not verdict.match:
-            self.mismatches += 1
+            # The known answers' results go with the received answer, for `canary accept`
+            # to show (and to refuse it if they fail); without an answer, none are recorded.
+            known = await self._ask_known(cur, base, gate, timeout)
+            if not isinstance(known, CanaryOutcome):
+                record = dataclasses.replace(record, known=tuple(known))
+            await self._save_last(record)
             detail = verdict.detail(golden.answer, got)
-            cur.canary = {"state": MISMATCH, **base_doc}
-            self.log.error("canary mismatch", detail=detail, key=key)
-            self._changed(CANARY_MISMATCH, True, detail)
-            return detail
+            return self._mismatch(cur, golden, key, detail, took, got, verdict.checked)
+        await self._save_last(record)
         cur.canary = {"state": state, **base_doc}
         self._changed(CANARY_MISMATCH, False, detail)
-        return None
+        return CanaryOutcome()
+
+    async def _verify(
+        self, cur: _LaunchQuality, base: str, gate: ProbeGate, record: Golden, timeout: float
+    ) -> tuple[Golden, str | None] | CanaryOutcome:
+        """A new key's answer before it is learned: (the record with what it was checked
+        against, why it is wrong or None), or no evidence (a known answer got no answer)."""
+        known = await self._ask_known(cur, base, gate, timeout)
+        if isinstance(known, CanaryOutcome):
+            return known
+        record = dataclasses.replace(record, known=tuple(known))
+        failed = [k for k in known if not k.ok]
+        if failed:
+            return record, failed[0].detail()
+        try:
+            prev = await self._store(
+                lambda: self.store.previous(record.prompt, record.max_tokens, record.key)
+            )
+        except (TimeoutError, OSError):
+            prev = None
+        if prev is None:
+            return record, None
+        record = dataclasses.replace(record, verified_against=prev.key)
+        verdict = compare(prev.answer, record.answer)
+        if verdict.match:
+            return record, None
+        return record, f"{changed(prev, record)}: {verdict.detail(prev.answer, record.answer)}"
+
+    async def _ask_known(
+        self, cur: _LaunchQuality, base: str, gate: ProbeGate, timeout: float
+    ) -> list[KnownResult] | CanaryOutcome:
+        """quality.known_answers asked of the launch, or no evidence (one got no answer)."""
+        known: list[KnownResult] = []
+        for prompt, expect in self.cfg.quality.known_answers:
+            n = known_tokens(expect)
+            got, _ = await gate.exclusive(
+                functools.partial(ask, self.http, base, prompt, n, timeout)
+            )
+            if isinstance(got, str):
+                return self._unknown(cur, f"known answer to {prompt!r}: {got}")
+            known.append(KnownResult(prompt, expect, got.text))
+        return known
+
+    def _doc(
+        self, golden: Golden, got: Answer, checked: int, took: float, at: float
+    ) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "at": at,
+            "expected": golden.answer.text,
+            "got": got.text,
+            "checked_tokens": checked,
+            "golden": golden.how,
+            "ms": round(took * 1000, 1),
+        }
+        if golden.verified_against:
+            doc["verified_against"] = golden.verified_against
+        if golden.known:
+            doc["known_answers"] = [k.to_json() for k in golden.known]
+        return doc
+
+    def _mismatch(
+        self,
+        cur: _LaunchQuality,
+        golden: Golden,
+        key: str,
+        detail: str,
+        took: float,
+        got: Answer | None = None,
+        checked: int = 0,
+    ) -> CanaryOutcome:
+        self.mismatches += 1
+        answer = golden.answer if got is None else got
+        doc = self._doc(golden, answer, checked, took, self.wall())
+        if got is None:
+            doc["expected"] = None  # nothing learned: a new key failed its verification
+        cur.canary = {"state": MISMATCH, **doc, "detail": detail}
+        self.log.error("canary mismatch", detail=detail, key=key)
+        self._changed(CANARY_MISMATCH, True, detail)
+        return CanaryOutcome(mismatch=detail)
+
+    def _unknown(self, cur: _LaunchQuality, error: str) -> CanaryOutcome:
+        cur.canary = {**cur.canary, "state": UNKNOWN, "at": self.wall(), "error": error}
+        self.log.warning("canary", outcome="unknown", error=error)
+        self._publish()
+        return CanaryOutcome(unavailable=error)
+
+    async def _store(self, fn: Callable[[], Any]) -> Any:
+        return await threads.in_thread(fn, STORE_TIMEOUT_S)
+
+    async def _save_last(self, record: Golden) -> None:
+        """The last answer received, for `canary accept`; a failure is logged, never fatal."""
+        try:
+            await self._store(lambda: self.store.save_last(record))
+        except (TimeoutError, OSError) as exc:
+            self.log.error("canary store unwritable", dir=str(self.store.dir), error=str(exc))
 
     # ------------------------------------------------------------------ probes and gauges
 

@@ -245,6 +245,55 @@ def compare(golden: Answer, got: Answer, floor: float = MARGIN_FLOOR) -> Compari
     return Comparison(True, k, None, weak)
 
 
+# ------------------------------------------------------------------------- known answers
+
+
+@dataclass(frozen=True)
+class KnownResult:
+    """One of `quality.known_answers` asked of a launch: the greedy answer must begin with
+    `expect` (leading whitespace ignored on both). `got` is None when no answer came."""
+
+    prompt: str
+    expect: str
+    got: str | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.got is not None and holds(self.expect, self.got)
+
+    def detail(self) -> str:
+        if self.got is None:
+            return f"known answer to {self.prompt!r}: {self.error or 'no answer'}"
+        verdict = "holds" if self.ok else "fails"
+        return (
+            f"known answer to {self.prompt!r} {verdict}: expected {self.expect!r}, got {self.got!r}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "expect": self.expect, "got": self.got, "ok": self.ok}
+
+    @staticmethod
+    def from_json(doc: object) -> KnownResult | None:
+        if not isinstance(doc, dict):
+            return None
+        prompt, expect, got = doc.get("prompt"), doc.get("expect"), doc.get("got")
+        if not isinstance(prompt, str) or not isinstance(expect, str):
+            return None
+        return KnownResult(prompt, expect, got if isinstance(got, str) else None)
+
+
+def holds(expect: str, got: str) -> bool:
+    """Whether an answer begins with the expected text, whitespace before either ignored."""
+    return got.lstrip().startswith(expect.lstrip())
+
+
+def known_tokens(expect: str) -> int:
+    """Tokens to ask for a known answer: enough to hold `expect` (a token is at least one byte
+    of it, bar the whitespace before it) and a few more, at most 256."""
+    return min(256, max(8, len(expect.strip().encode()) + 4))
+
+
 # ------------------------------------------------------------------------- decode speed
 
 # slow_decode: the single-stream speed stays below SLOW_RATIO of the reference for SLOW_COUNT

@@ -25,14 +25,15 @@ import os
 import re
 import secrets
 import struct
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor import untrusted
-from supervisor.quality import Answer
+from supervisor.quality import Answer, KnownResult
 
 SMALL_FILE_BYTES = 16 << 20
 SAMPLES = 16
@@ -86,8 +87,44 @@ def _one_file(h: Any, rel: str, path: Path) -> None:
             h.update(f.read(SAMPLE_BYTES))
 
 
-def golden_key(identity: str, sglang_version: str, prompt: str, max_tokens: int) -> str:
+# The launch's flags that change the numerics, and so a golden: the parallel layout, the
+# kernels, the precision, speculation. A profile that changes one (the fallback, another tp)
+# has a key of its own, verified against the previous key's golden before it is learned.
+LAYOUT_FLAGS = (
+    "tp-size",
+    "tensor-parallel-size",
+    "dp-size",
+    "data-parallel-size",
+    "pp-size",
+    "pipeline-parallel-size",
+    "ep-size",
+    "expert-parallel-size",
+    "enable-dp-attention",
+    "attention-backend",
+    "quantization",
+    "dtype",
+    "kv-cache-dtype",
+    "moe-runner-backend",
+    "speculative-algorithm",
+    "speculative-draft-model-path",
+    "speculative-num-steps",
+    "speculative-eagle-topk",
+    "speculative-num-draft-tokens",
+)
+
+
+def layout(args: Mapping[str, object]) -> str:
+    """The launch's LAYOUT_FLAGS that are set, as `flag=value` joined by spaces ("" for none)."""
+    return " ".join(f"{k}={args[k]}" for k in LAYOUT_FLAGS if args.get(k) not in (None, False, ""))
+
+
+def golden_key(
+    identity: str, sglang_version: str, prompt: str, max_tokens: int, layout: str = ""
+) -> str:
+    """A launch without layout flags keeps the key it had before they were part of it."""
     raw = f"{identity}\n{sglang_version}\n{max_tokens}\n{prompt}"
+    if layout:
+        raw += f"\nlayout {layout}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -102,9 +139,24 @@ class Golden:
     max_tokens: int
     learned_at: float  # wall time
     how: str  # "learned" (first verified launch) | "accepted" (kimi-serve canary accept)
+    # The known answers asked when this answer was received (quality.known_answers).
+    known: tuple[KnownResult, ...] = ()
+    # The previous key's golden this answer was verified against before it was learned.
+    verified_against: str | None = None
+    # When the write was asked for (time.time_ns()): an older write never replaces a newer one.
+    generation: int = 0
+    layout: str = ""  # the launch's layout flags (`layout()`), part of the key
+
+    @property
+    def known_ok(self) -> bool:
+        return all(k.ok for k in self.known)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "known": [k.to_json() for k in self.known],
+            "verified_against": self.verified_against,
+            "generation": self.generation,
+            "layout": self.layout,
             "key": self.key,
             "answer": self.answer.to_json(),
             "model_path": self.model_path,
@@ -131,7 +183,17 @@ class Golden:
             return None
         if not isinstance(at, int | float) or isinstance(at, bool) or not 0 <= at < _LATEST:
             return None
+        raw_known, against, gen = (
+            doc.get("known"),
+            doc.get("verified_against"),
+            doc.get("generation"),
+        )
+        known = [KnownResult.from_json(k) for k in raw_known] if isinstance(raw_known, list) else []
         return Golden(
+            known=tuple(k for k in known if k is not None),
+            verified_against=against if isinstance(against, str) and _KEY.match(against) else None,
+            generation=gen if isinstance(gen, int) and not isinstance(gen, bool) else 0,
+            layout=doc["layout"] if isinstance(doc.get("layout"), str) else "",
             key=doc["key"],
             answer=answer,
             model_path=doc["model_path"],
@@ -164,12 +226,25 @@ def _store_dir(directory: Path) -> Iterator[int]:
         yield dfd
 
 
+# Held from the check of the file's generation to its rename: of two writes of one name by this
+# process, the newer one lands, whichever thread finishes last (the daemon abandons a write at
+# its deadline: threads.in_thread, and its thread may still finish after a newer write).
+_WRITE_LOCK = threading.Lock()
+
+
+def _generation(directory: Path, name: str) -> int:
+    doc = _read_json(directory, name)
+    gen = doc.get("generation") if isinstance(doc, dict) else None
+    return gen if isinstance(gen, int) and not isinstance(gen, bool) else 0
+
+
 def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
     """Write `name` in `directory` in one step (temporary file, fsync, rename), all relative to
-    the directory's descriptor: a name swapped meanwhile cannot redirect it. When root writes
-    into another user's directory (`sudo kimi-serve canary accept` in the service user's), the
-    file is that user's: the daemon must read and replace it (a root-owned 0600 golden reads
-    as none)."""
+    the directory's descriptor: a name swapped meanwhile cannot redirect it. A document whose
+    `generation` is older than the file's is dropped (a write that outlived its deadline).
+    When root writes into another user's directory (`sudo kimi-serve canary accept` in the
+    service user's), the file is that user's: the daemon must read and replace it (a root-owned
+    0600 golden reads as none)."""
     with _store_dir(directory) as dfd:
         st = os.fstat(dfd)
         owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
@@ -183,7 +258,12 @@ def _write_json(directory: Path, name: str, doc: dict[str, Any]) -> None:
                 json.dump(doc, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with _WRITE_LOCK:
+                gen = doc.get("generation")
+                if isinstance(gen, int) and gen < _generation(directory, name):
+                    os.unlink(tmp, dir_fd=dfd)
+                    return
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
@@ -226,22 +306,37 @@ class CanaryStore:
         g = Golden.from_json(_read_json(self.dir, "last.json"))
         return g if g is not None and _KEY.match(g.key) else None
 
-    def accept(self) -> Golden | None:
-        """`canary accept`: the last received answer becomes the golden for its key."""
-        last = self.last()
+    def accept(self, last: Golden | None = None) -> Golden | None:
+        """`canary accept`: the last received answer (or `last`, as shown to the operator)
+        becomes the golden for its key."""
+        last = self.last() if last is None else last
         if last is None:
             return None
-        accepted = dataclasses.replace(last, how="accepted", learned_at=time.time())
+        accepted = dataclasses.replace(
+            last, how="accepted", learned_at=time.time(), generation=time.time_ns()
+        )
         self.save_golden(accepted)
         return accepted
 
+    def previous(self, prompt: str, max_tokens: int, key: str) -> Golden | None:
+        """The newest golden of another key for the same prompt and length: what a changed key
+        (another SGLang version, other model files) is verified against before it learns."""
+        same = [
+            g
+            for g in self.goldens()
+            if g.key != key and g.prompt == prompt and g.max_tokens == max_tokens
+        ]
+        return max(same, key=lambda g: g.learned_at) if same else None
+
     def forget(self) -> list[str]:
-        """`canary forget`: every golden is removed (the next verified launch learns anew)."""
+        """`canary forget`: every golden is removed, and the last received answer with them
+        (`accept` after `forget` cannot put back what was just forgotten)."""
         removed: list[str] = []
         try:
             with untrusted.opened_dir(self.dir) as dfd:
                 for name in sorted(os.listdir(dfd)):
-                    if not (name.startswith("golden-") and name.endswith(".json")):
+                    golden = name.startswith("golden-") and name.endswith(".json")
+                    if not golden and name != "last.json":
                         continue
                     with contextlib.suppress(OSError):  # gone meanwhile, or not a file
                         os.unlink(name, dir_fd=dfd)

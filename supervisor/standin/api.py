@@ -236,7 +236,7 @@ class Api:
                         "last_gen_throughput": engine.gen_throughput,
                     }
                 ],
-                "version": VERSION,
+                "version": engine.settings.version or VERSION,
             }
         )
 

@@ -90,7 +90,11 @@ def decide(settings: Settings, decodes_before: int, max_new_tokens: int) -> Outc
         return Outcome.ERROR
     if settings.has(f.DECODE_ZERO_TOKENS):
         return Outcome.ZERO
-    if settings.has(f.DECODE_HANG) and decodes_before >= settings.hang_after_decodes:
+    if (
+        settings.has(f.DECODE_HANG)
+        and decodes_before >= settings.hang_after_decodes
+        and max_new_tokens >= settings.hang_min_tokens
+    ):
         return Outcome.HANG
     if settings.has(f.SLOW_DECODE) and decodes_before >= settings.slow_after_decodes:
         return Outcome.SLOW

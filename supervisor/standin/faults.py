@@ -74,6 +74,7 @@ class Settings:
     crash_sleep_seconds: float = 65.0
     orphan_lifetime: float = 600.0
     hang_after_decodes: int = 1
+    hang_min_tokens: int = 0  # decode-hang spares shorter requests (an 8-token probe)
     # SGLang's own variables, honoured with SGLang's defaults (http_server.py,
     # tokenizer_manager.py sigterm_watchdog).
     health_check_timeout: float = 20.0
@@ -83,6 +84,9 @@ class Settings:
     # Not SGLang's: a file the stand-in appends one JSON line to per /generate request *on
     # arrival* (time, prompt), so a test can count what reached a replica, hung ones included.
     request_log: str | None = None
+    # Not SGLang's: the version /server_info reports (another SGLang release, for the
+    # canary's verified relearning); empty: the stand-in's own.
+    version: str = ""
 
     def has(self, fault: str) -> bool:
         return fault in self.faults
@@ -143,12 +147,14 @@ def from_environ(env: Mapping[str, str], launch: int) -> Settings:
         ),
         orphan_lifetime=_number(env, "STANDIN_ORPHAN_LIFETIME", float, d.orphan_lifetime),
         hang_after_decodes=_number(env, "STANDIN_HANG_AFTER_DECODES", int, d.hang_after_decodes),
+        hang_min_tokens=_number(env, "STANDIN_HANG_MIN_TOKENS", int, d.hang_min_tokens),
         health_check_timeout=_number(
             env, "SGLANG_HEALTH_CHECK_TIMEOUT", float, d.health_check_timeout
         ),
         force_shutdown=_flag(env, "SGL_FORCE_SHUTDOWN"),
         killpg_on_scheduler_exception=_flag(env, "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"),
         request_log=env.get("STANDIN_REQUEST_LOG") or None,
+        version=env.get("STANDIN_SGLANG_VERSION", "").strip(),
     )
 
 

@@ -107,7 +107,11 @@ def test_canary_gate_crash_loop_tries_the_fallback(tmp_path: Path) -> None:
         st = d.status()
         assert st["profile"] == "fallback"
         assert st["restarts"] == {"canary_mismatch": 2}
-        assert st["quality"]["canary"]["state"] == "matched"
+        # The fallback drops speculation: another layout, so a key of its own, verified
+        # against the primary's golden before it is learned.
+        (primary,) = [g.key for g in canary_store.CanaryStore(str(src)).goldens()]
+        assert st["quality"]["canary"]["state"] == "learned"
+        assert st["quality"]["canary"]["verified_against"] == primary
         assert st["quality"]["canary"]["expected"] == learned
 
 

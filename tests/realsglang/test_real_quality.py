@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.daemon.quality_watch import ask
 from supervisor.quality import compare
+from supervisor.quality.asking import ask
 from supervisor.quality.golden import CanaryStore
 from testkit import realsglang as real
 from testkit.daemon import log_time

@@ -199,6 +199,13 @@ def test_decide() -> None:
     assert decide(_with(f.DECODE_HANG), 1, 8) is Outcome.HANG
     assert decide(_with(f.DECODE_HANG, hang_after_decodes=3), 2, 8) is Outcome.NORMAL
     assert decide(_with(f.DECODE_HANG, hang_after_decodes=0), 0, 8) is Outcome.HANG
+    # STANDIN_HANG_MIN_TOKENS=16: the 16-token canary hangs, the 8-token probe answers.
+    long_only = Settings(
+        faults=frozenset({f.DECODE_HANG}), hang_after_decodes=0, hang_min_tokens=16
+    )
+    assert decide(long_only, 5, 8) is Outcome.NORMAL
+    assert decide(long_only, 5, 16) is Outcome.HANG
+    assert from_environ({"STANDIN_HANG_MIN_TOKENS": "16"}, 1).hang_min_tokens == 16
 
 
 def test_spec_numbers_follow_sglangs_formula() -> None:

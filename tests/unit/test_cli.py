@@ -4,6 +4,7 @@ exit codes, print-command's production flags, and no traceback for bad input."""
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
 import shlex
@@ -361,28 +362,97 @@ def test_the_stdout_a_command_gets_is_still_the_terminal_or_the_journal() -> Non
 
 
 def test_canary_command_show_accept_forget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.quality import Answer, KnownResult
+    from supervisor.quality.golden import CanaryStore, Golden, golden_key
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n")
+    conf = ["--config", str(cfg)]
+    assert cli.main(["canary", "show", *conf]) == 0
+    assert "no golden answer" in capsys.readouterr().out
+    assert cli.main(["canary", "accept", "--yes", *conf]) == 1
+    assert "no canary answer received" in capsys.readouterr().err
+    store = CanaryStore(str(tmp_path / "state" / "canary"))
+    answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
+    key = golden_key("id", "0.5.23", "p", 16)
+    store.save_last(Golden(key, answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
+    # Without --yes it asks; anything but yes accepts nothing.
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert cli.main(["canary", "accept", *conf]) == 1
+    captured = capsys.readouterr()
+    assert "would accept" in captured.out and "' hi there'" in captured.out
+    assert "[y/N]" in captured.out and "not accepted" in captured.err
+    assert store.goldens() == []
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    assert cli.main(["canary", "accept", *conf]) == 0
+    assert "accepted ' hi there'" in capsys.readouterr().out
+    assert cli.main(["canary", "show", *conf]) == 0
+    out = capsys.readouterr().out
+    assert f"golden {key} (accepted" in out and "1 of 2 tokens compared" in out
+    assert "DIFFERS" not in out
+    assert cli.main(["canary", "show", "--json", *conf]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["goldens"][0]["key"] == key and doc["last"]["differs"] is None
+    # A received answer that differs from the golden is marked, and one that failed the
+    # known answers is refused without --force.
+    wrong = Answer(" no way", (9, 6), (4.0, 0.5), (7, 8))
+    failed = (KnownResult("The capital of France is", "Paris", " Berlin"),)
+    store.save_last(Golden(key, wrong, "/m", "id", "0.5.23", "p", 16, 2.0, "received", failed))
+    assert cli.main(["canary", "show", *conf]) == 0
+    assert "DIFFERS from the golden of its key: token 0" in capsys.readouterr().out
+    assert cli.main(["canary", "show", "--json", *conf]) == 0
+    assert json.loads(capsys.readouterr().out)["last"]["differs"].startswith("token 0")
+    assert cli.main(["canary", "accept", "--yes", *conf]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL known answer to 'The capital of France is' fails" in captured.out
+    assert "refused: the answer failed the known answers" in captured.err
+    assert store.golden(key) is not None and store.golden(key).answer.text == " hi there"  # type: ignore[union-attr]
+    assert cli.main(["canary", "accept", "--yes", "--force", *conf]) == 0
+    assert store.golden(key).answer.text == " no way"  # type: ignore[union-attr]
+    capsys.readouterr()
+    # forget forgets the received answer too: accept cannot put it back.
+    assert cli.main(["canary", "forget", *conf]) == 0
+    assert "forgot 1 golden answer(s) and the last received answer" in capsys.readouterr().out
+    assert store.goldens() == [] and store.last() is None
+    assert cli.main(["canary", "accept", "--yes", *conf]) == 1
+
+
+def test_canary_try_without_a_server_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from testkit import free_port
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(
+        f"sglang:\n  model_path: /m\n  port: {free_port()}\nstate_dir: {tmp_path / 'state'}\n"
+        "quality:\n  known_answers: [{prompt: 'The capital of France is', expect: Paris}]\n"
+    )
+    assert cli.main(["canary", "try", "--config", str(cfg)]) == 4
+    out = capsys.readouterr().out
+    assert "canary  canary request failed" in out
+    assert "known   FAIL known answer to 'The capital of France is': canary request failed" in out
+
+
+def test_canary_accept_refuses_an_answer_the_known_answers_were_not_asked_of(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from supervisor.quality import Answer
     from supervisor.quality.golden import CanaryStore, Golden, golden_key
 
     cfg = tmp_path / "k.yaml"
-    cfg.write_text(f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n")
-    assert cli.main(["canary", "show", "--config", str(cfg)]) == 0
-    assert "no golden answer" in capsys.readouterr().out
-    assert cli.main(["canary", "accept", "--config", str(cfg)]) == 1
-    assert "no canary answer received" in capsys.readouterr().err
+    cfg.write_text(
+        f"sglang:\n  model_path: /m\nstate_dir: {tmp_path / 'state'}\n"
+        "quality:\n  known_answers: [{prompt: 'The capital of France is', expect: Paris}]\n"
+    )
     store = CanaryStore(str(tmp_path / "state" / "canary"))
-    answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
     key = golden_key("id", "0.5.23", "p", 16)
+    answer = Answer(" hi there", (5, 6), (4.0, 0.5), (7, 8))
     store.save_last(Golden(key, answer, "/m", "id", "0.5.23", "p", 16, 1.0, "received"))
-    assert cli.main(["canary", "accept", "--config", str(cfg)]) == 0
-    assert "accepted ' hi there'" in capsys.readouterr().out
-    assert cli.main(["canary", "show", "--config", str(cfg)]) == 0
-    out = capsys.readouterr().out
-    assert f"golden {key} (accepted" in out and "1 of 2 tokens compared" in out
-    assert cli.main(["canary", "show", "--json", "--config", str(cfg)]) == 0
-    assert json.loads(capsys.readouterr().out)["goldens"][0]["key"] == key
-    assert cli.main(["canary", "forget", "--config", str(cfg)]) == 0
-    assert "forgot 1 golden" in capsys.readouterr().out
-    assert store.goldens() == []
+    assert cli.main(["canary", "accept", "--yes", "--config", str(cfg)]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL known answer to 'The capital of France is': not asked" in captured.out
+    assert "refused" in captured.err and store.goldens() == []
+    assert cli.main(["canary", "accept", "--yes", "--force", "--config", str(cfg)]) == 0
+    assert [g.answer.text for g in store.goldens()] == [" hi there"]

@@ -106,7 +106,7 @@ def test_a_golden_root_accepts_is_the_daemons_to_read(
     received: tuple[int, int, Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     uid, gid, canary, config = received
-    assert cli.main(["canary", "accept", "--config", config]) == 0  # as root
+    assert cli.main(["canary", "accept", "--yes", "--config", config]) == 0  # as root
     assert "accepted ' Paris'" in capsys.readouterr().out
     golden = canary / f"golden-{KEY}.json"
     st = golden.stat()
@@ -134,7 +134,7 @@ def test_a_key_naming_another_path_is_not_accepted(
     canary = state / "canary"
     _received(uid, gid, canary, key="x/../../../pwned")
     (canary / "golden-x").mkdir()
-    assert cli.main(["canary", "accept", "--config", _config(state)]) == 1
+    assert cli.main(["canary", "accept", "--yes", "--config", _config(state)]) == 1
     assert "no canary answer received" in capsys.readouterr().err
     assert not (state.parent / "pwned.json").exists()
     assert sorted(p.name for p in canary.iterdir()) == ["golden-x", "last.json"]
@@ -150,7 +150,7 @@ def test_a_canary_directory_swapped_for_a_link_is_not_written_through(
     shutil.copy(state / "received" / "last.json", elsewhere / "last.json")
     (state / "canary").symlink_to(elsewhere)
     config = _config(state)
-    assert cli.main(["canary", "accept", "--config", config]) == 1
+    assert cli.main(["canary", "accept", "--yes", "--config", config]) == 1
     assert cli.main(["canary", "forget", "--config", config]) == 1
     assert cli.main(["canary", "show", "--config", config]) == 0
     captured = capsys.readouterr()
@@ -166,10 +166,10 @@ def test_a_fifo_or_a_link_for_last_json_is_no_answer(
     (canary / "last.json").unlink()
     os.mkfifo(canary / "last.json")  # a read that waited for a writer would never end
     assert cli.main(["canary", "show", "--config", config]) == 0
-    assert cli.main(["canary", "accept", "--config", config]) == 1
+    assert cli.main(["canary", "accept", "--yes", "--config", config]) == 1
     (canary / "last.json").unlink()
     (canary / "last.json").symlink_to("/dev/zero")  # endless
-    assert cli.main(["canary", "accept", "--config", config]) == 1
+    assert cli.main(["canary", "accept", "--yes", "--config", config]) == 1
     assert "no canary answer received" in capsys.readouterr().err
 
 

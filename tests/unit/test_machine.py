@@ -862,6 +862,43 @@ def test_reload_back_to_primary_on_the_fallback() -> None:
     assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
 
 
+def _on_the_fallback() -> Drive:
+    d = Drive(make_cfg(max_restarts=1)).ready()
+    d.crash()
+    assert d.m.ctx.profile == FALLBACK
+    d.backoff_elapsed()
+    d.bring_up()
+    return d
+
+
+def test_a_manual_restart_relaunches_on_primary() -> None:
+    # The runbook's "back to primary": `kimi-serve restart` after the fix.
+    d = _on_the_fallback()
+    actions = d.send(RestartRequested(Reason.MANUAL))
+    assert actions[0] == ProfileChanged(FALLBACK, PRIMARY)
+    assert actions[-1] == StopChild(d.launch, graceful=True)
+    d.send(ChildGone(d.launch, 0, None))
+    assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
+
+
+def test_a_manual_restart_while_failed_on_the_fallback_relaunches_on_primary() -> None:
+    d = _on_the_fallback()
+    d.crash()
+    d.expect(State.FAILED)
+    assert d.send(RestartRequested(Reason.MANUAL))[0] == ProfileChanged(FALLBACK, PRIMARY)
+    assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
+
+
+def test_an_unchanged_reload_on_the_fallback_relaunches_on_primary() -> None:
+    d = _on_the_fallback()
+    assert not d.m.stays_ready(Verdict.UNCHANGED)
+    actions = d.send(ConfigRead(Verdict.UNCHANGED))
+    assert actions[:2] == [NotifyReloaded(True), ProfileChanged(FALLBACK, PRIMARY)]
+    assert actions[-1] == StopChild(d.launch, graceful=True)
+    d.send(ChildGone(d.launch, 0, None))
+    assert of(Launch, d.bring_up()) == [Launch(d.launch, PRIMARY)]
+
+
 def test_back_to_primary_on_primary_changes_no_profile() -> None:
     d = Drive().ready()
     actions = d.send(RestartRequested(Reason.RELOAD, back_to_primary=True))

@@ -115,6 +115,12 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "readiness mismatch": lambda d: ProbeDone(
         d.launch, ProbeKind.READINESS, ok_result(), canary_mismatch="expected 'a', got 'b'"
     ),
+    "readiness no canary": lambda d: ProbeDone(
+        d.launch, ProbeKind.READINESS, ok_result(), canary_unavailable="no canary answer"
+    ),
+    "liveness no canary": lambda d: ProbeDone(
+        d.launch, ProbeKind.LIVENESS, ok_result(), canary_unavailable="no canary answer"
+    ),
     "liveness mismatch": lambda d: ProbeDone(
         d.launch, ProbeKind.LIVENESS, ok_result(), canary_mismatch="expected 'a', got 'b'"
     ),

@@ -33,13 +33,13 @@ from supervisor.core.machine import (
     TimerFired,
     TimerName,
 )
-from supervisor.daemon.quality_watch import QualityWatch
+from supervisor.daemon.quality_watch import CanaryOutcome, QualityWatch
 from supervisor.metrics import Metrics
 from supervisor.quality import Answer
 from supervisor.quality.golden import CanaryStore, Golden, golden_key, model_identity
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.probe import ProbeGate, Progress
-from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result
+from testkit.machine import CFG, FALLBACK, Drive, make_cfg, ok_result, with_canary
 
 
 def answer(tokens: list[int], margins: list[float | None], top2: list[int] | None = None) -> Answer:
@@ -345,7 +345,9 @@ def test_store_learn_accept_forget(tmp_path: Path) -> None:
     accepted = store.accept()
     assert accepted is not None and accepted.how == "accepted"
     assert store.golden(key) is not None and store.golden(key).answer.tokens == (3, 4)  # type: ignore[union-attr]
-    assert store.forget() == [f"golden-{key}.json"]
+    # forget also forgets the received answer: accept cannot put it back.
+    assert store.forget() == [f"golden-{key}.json", "last.json"]
+    assert store.last() is None and store.accept() is None
     assert store.golden(key) is None
     (tmp_path / "canary" / f"golden-{key}.json").write_text("{not json")
     assert store.golden(key) is None and store.goldens() == []
@@ -361,12 +363,7 @@ def test_readiness_probe_carries_the_canary() -> None:
     d = Drive().loading()
     probes = [a for a in d.send(PortOpen(d.launch)) if isinstance(a, StartProbe)]
     assert len(probes) == 1 and probes[0].canary
-    off = dataclasses.replace(
-        CFG,
-        quality=dataclasses.replace(
-            CFG.quality, canary=dataclasses.replace(CFG.quality.canary, enabled=False)
-        ),
-    )
+    off = with_canary(enabled=False)
     d = Drive(off).loading()
     probes = [a for a in d.send(PortOpen(d.launch)) if isinstance(a, StartProbe)]
     assert len(probes) == 1 and not probes[0].canary
@@ -393,13 +390,7 @@ def test_gate_mismatch_is_never_ready_and_counts_towards_the_crash_loop() -> Non
 
 
 def test_alert_mismatch_is_ready() -> None:
-    cfg = dataclasses.replace(
-        CFG,
-        quality=dataclasses.replace(
-            CFG.quality, canary=dataclasses.replace(CFG.quality.canary, policy="alert")
-        ),
-    )
-    d = Drive(cfg).warming()
+    d = Drive(with_canary(policy="alert")).warming()
     d.send(ProbeDone(d.launch, ProbeKind.READINESS, ok_result(), canary_mismatch=MISMATCH))
     assert d.state is State.READY
 
@@ -510,7 +501,7 @@ async def _watch_rounds(tmp_path: Path, rounds: list[tuple[float, float, int]]) 
         for tps, others, running in rounds:
             server.tps, server.others_per_canary = tps, others
             before = Progress(None, 0.0, server.decoded, 0.0, server.decoded)
-            assert await watch.canary(1, ProbeGate()) is None
+            assert await watch.canary(1, ProbeGate()) == CanaryOutcome()
             server.running = running
             # A probe without SGLang's measured speed: only the canary's sample is judged.
             done = ProbeDone(1, ProbeKind.LIVENESS, ok_result(0))
