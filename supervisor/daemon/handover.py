@@ -109,6 +109,9 @@ class Handover:
             return "SGLang is not running"
         if self.awaiting_probe is not None:
             return "the last hand-over is still probing SGLang"
+        stuck = stuck_threads()
+        if stuck:
+            return f"threads {stuck} are stuck in the kernel (D state): the exec would hang"
         return None
 
     def begin(self) -> None:
@@ -207,9 +210,15 @@ async def execute(d: Daemon) -> None:
         d.log.warning("hand-over not begun", why="the admin endpoint is not serving")
         return
     admin_fd = await served.hand_over()
-    refused = _still_refused(d)  # the state may have moved on while the answers went out
+    # From here a stop or a reload waits, blocked, for the new daemon's handlers. One that
+    # came just before is already queued as an event the exec would drop: then no hand-over.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    for _ in range(2):  # the signal's handler, then the callback it scheduled
+        await asyncio.sleep(0)
+    refused = _still_refused(d) or _signalled(d)  # the state may have moved on meanwhile
     child = d.launcher.child
     if refused is not None or child is None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         await served.resume(admin_fd)
         ho.begun = False
         d.log.warning("hand-over not begun", why=refused or "SGLang is not running")
@@ -217,7 +226,6 @@ async def execute(d: Daemon) -> None:
     log.get().info("hand-over: exec", version=__version__, sglang_pid=child.pid)
     pipes = d.launcher.owner.release(child)
     memfd = -1
-    old_mask: set[int | signal.Signals] | None = None
     try:
         memfd = _memfd(state_of(d, child, pipes, admin_fd))
         passed = [memfd, admin_fd, *(fd for fd, _ in pipes.values())]
@@ -228,11 +236,9 @@ async def execute(d: Daemon) -> None:
         env = {**os.environ, ENV: str(memfd)}
         sys.stdout.flush()
         sys.stderr.flush()
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         os.execve(sys.executable, sys.orig_argv, env)
     except OSError as exc:
-        if old_mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for fd, _ in pipes.values():
             os.set_inheritable(fd, False)
         if memfd >= 0:
@@ -244,6 +250,32 @@ async def execute(d: Daemon) -> None:
         ho.ended("failed", None)
         d.log.error("hand-over failed: the exec did not happen", error=exc.strerror or str(exc))
         d.notifier.ready(d.status_line())
+
+
+def _signalled(d: Daemon) -> str | None:
+    """A stop or reload already queued: the exec would lose it."""
+    queued = []
+    while not d.queue.empty():
+        queued.append(d.queue.get_nowait())
+    for item in queued:
+        d.queue.put_nowait(item)  # in order, untouched: the hand-over may not happen
+    for item in queued:
+        if isinstance(item, ev.StopRequested | ev.ReloadRequested):
+            return f"a {type(item).__name__} came first"
+    return None
+
+
+def stuck_threads(task_dir: str = "/proc/self/task") -> list[int]:
+    """Threads of this process in uninterruptible sleep (D state: NVML, a hung mount): the
+    kernel waits for them before an exec completes, so a hand-over would hang on them."""
+    stuck = []
+    for tid in os.listdir(task_dir):
+        with contextlib.suppress(OSError):
+            with open(f"{task_dir}/{tid}/stat", "rb") as f:
+                raw = f.read().decode("ascii", "replace")
+            if raw[raw.rfind(")") + 2 :].split()[:1] == ["D"]:
+                stuck.append(int(tid))
+    return stuck
 
 
 def _still_refused(d: Daemon) -> str | None:
@@ -297,9 +329,14 @@ def _admin_socket(fd: Any) -> socket.socket | None:
         return None
     try:
         sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        log.get().warning("hand-over: admin socket not inherited", fd=fd, error=str(exc))
+        return None
+    try:
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
             raise OSError("not a listening socket")
     except OSError as exc:
+        sock.close()
         log.get().warning("hand-over: admin socket not inherited", fd=fd, error=str(exc))
         return None
     sock.set_inheritable(False)
