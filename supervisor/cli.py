@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help=f"how long to wait for the answer (default {timeout:g})",
         )
+    from supervisor.admin import reexec_command
+
+    reexec_command.register(add, cmd_operation, token_help)
     p = add(
         "incidents",
         cmd_incidents,

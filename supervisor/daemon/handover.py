@@ -37,7 +37,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
@@ -52,7 +52,34 @@ from supervisor.sglang import argv as command
 from supervisor.sglang.logscan import Stream
 
 if TYPE_CHECKING:
-    from supervisor.daemon.loop import Daemon
+    from collections.abc import Callable
+
+    from supervisor.admin import Served
+    from supervisor.config import Config
+    from supervisor.daemon.inbox import Item
+    from supervisor.daemon.notify import Notifier
+    from supervisor.daemon.wiring import Parts
+    from supervisor.metrics import Metrics
+    from supervisor.router import RouterLink
+
+
+class Daemon(Protocol):
+    """What a hand-over reads and drives of the daemon (daemon.loop.Daemon)."""
+
+    cfg: Config
+    parts: Parts
+    notifier: Notifier
+    metrics: Metrics
+    log: Any
+    handover: Handover
+    admin_served: Served | None
+    clock: Callable[[], float]
+
+    @property
+    def router(self) -> RouterLink | None: ...
+    def emit(self, item: Item) -> None: ...
+    def status_line(self) -> str: ...
+
 
 ENV = "KIMI_SERVE_HANDOVER_FD"
 MEMFD_NAME = "kimi-serve-handover"
@@ -94,7 +121,7 @@ class Handover:
     def refusal(self) -> str | None:
         """Why a hand-over cannot be done now (POST /reexec answers 409), or None."""
         d = self.daemon
-        ctx = d.machine.ctx
+        ctx = d.parts.machine.ctx
         if self.begun:
             return "a hand-over is already under way"
         if ctx.state not in SERVING:
@@ -102,9 +129,9 @@ class Handover:
                 f"the daemon hands over only while serving (ready, degraded, draining); "
                 f"it is {ctx.state.value}: try again once ready, or use restart"
             )
-        if d.group is not None:
+        if d.parts.group is not None:
             return "a multi-node replica does not hand over (group): use restart"
-        child = d.launcher.child
+        child = d.parts.launcher.child
         if child is None or not child.alive() or child.stop_begun:
             return "SGLang is not running"
         if self.awaiting_probe is not None:
@@ -118,7 +145,7 @@ class Handover:
         # Called once the answer is on its way; `execute` lets the admin requests in flight be
         # answered before the exec.
         self.begun = True
-        self.daemon.inbox.spawn(execute(self.daemon))
+        self.daemon.parts.inbox.spawn(execute(self.daemon))
 
     def status(self) -> dict[str, Any]:
         """`/status.daemon`."""
@@ -147,8 +174,8 @@ Pipes = dict[Stream, tuple[int, bytes]]
 
 
 def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, Any]:
-    ctx = d.machine.ctx
-    quality = d.quality.cur
+    ctx = d.parts.machine.ctx
+    quality = d.parts.quality.cur
     link = d.router
     return {
         "format": FORMAT,
@@ -167,7 +194,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
             "create_time": child.identity.create_time,
             "started_at": child.started_at,
             "known": [[i.pid, i.create_time] for i in sorted(child.known)],
-            "argv": list(d.launcher.spec.argv),
+            "argv": list(d.parts.launcher.spec.argv),
         },
         "pipes": {
             stream.value: {
@@ -179,7 +206,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         },
         "admin_fd": admin_fd,
         "router_worker_id": None if link is None else link.state.worker_id,
-        "sglang_version": d.observed.sglang_version,
+        "sglang_version": d.parts.observed.sglang_version,
         "quality": None
         if quality is None
         else {
@@ -216,7 +243,7 @@ async def execute(d: Daemon) -> None:
     for _ in range(2):  # the signal's handler, then the callback it scheduled
         await asyncio.sleep(0)
     refused = _still_refused(d) or _signalled(d)  # the state may have moved on meanwhile
-    child = d.launcher.child
+    child = d.parts.launcher.child
     if refused is not None or child is None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         await served.resume(admin_fd)
@@ -224,7 +251,7 @@ async def execute(d: Daemon) -> None:
         d.log.warning("hand-over not begun", why=refused or "SGLang is not running")
         return
     log.get().info("hand-over: exec", version=__version__, sglang_pid=child.pid)
-    pipes = d.launcher.owner.release(child)
+    pipes = d.parts.launcher.owner.release(child)
     memfd = -1
     try:
         memfd = _memfd(state_of(d, child, pipes, admin_fd))
@@ -243,7 +270,7 @@ async def execute(d: Daemon) -> None:
             os.set_inheritable(fd, False)
         if memfd >= 0:
             os.close(memfd)
-        d.launcher.owner.own(child, pipes)
+        d.parts.launcher.owner.own(child, pipes)
         os.set_inheritable(admin_fd, False)
         await served.resume(admin_fd)
         ho.begun = False
@@ -255,10 +282,10 @@ async def execute(d: Daemon) -> None:
 def _signalled(d: Daemon) -> str | None:
     """A stop or reload already queued: the exec would lose it."""
     queued = []
-    while not d.queue.empty():
-        queued.append(d.queue.get_nowait())
+    while not d.parts.inbox.queue.empty():
+        queued.append(d.parts.inbox.queue.get_nowait())
     for item in queued:
-        d.queue.put_nowait(item)  # in order, untouched: the hand-over may not happen
+        d.parts.inbox.queue.put_nowait(item)  # in order, untouched: the hand-over may not happen
     for item in queued:
         if isinstance(item, ev.StopRequested | ev.ReloadRequested):
             return f"a {type(item).__name__} came first"
@@ -363,22 +390,22 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         _fall_back(d, doc, why)
         return False
     spec = command.build(d.cfg, m["profile"])
-    d.launcher.adopted(child, spec, m["profile"])
-    d.launcher.owner.own(child, pipes)
-    d.launcher.owner.refresh_tree(child)
-    d.pump.new_launch()
+    d.parts.launcher.adopted(child, spec, m["profile"])
+    d.parts.launcher.owner.own(child, pipes)
+    d.parts.launcher.owner.refresh_tree(child)
+    d.parts.pump.new_launch()
     now = d.clock()
-    d.recorder.launched(child.launch, m["profile"], now)
-    d.quality.launched(child.launch, spec)
-    quality, cur = doc.get("quality"), d.quality.cur
+    d.parts.recorder.launched(child.launch, m["profile"], now)
+    d.parts.quality.launched(child.launch, spec)
+    quality, cur = doc.get("quality"), d.parts.quality.cur
     if isinstance(quality, dict) and cur is not None:
         cur.canary = dict(quality.get("canary") or cur.canary)
         cur.key, cur.identity = quality.get("key"), quality.get("identity")
         cur.version = quality.get("version")
-    _restore(d.machine.ctx, m)
-    d.observed.profile(None, d.machine.ctx.profile)
+    _restore(d.parts.machine.ctx, m)
+    d.parts.observed.profile(None, d.parts.machine.ctx.profile)
     link = d.router
-    if link is not None and d.machine.ctx.state is not State.DRAINING:
+    if link is not None and d.parts.machine.ctx.state is not State.DRAINING:
         link.state.worker_id = doc.get("router_worker_id")
         router.carry_out(link, ev.RouterRegister(child.launch))
     ho.awaiting_probe = float(doc["mono"])
@@ -386,7 +413,7 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         "hand-over: SGLang adopted",
         sglang_pid=child.pid,
         launch=child.launch,
-        state=d.machine.ctx.state.value,
+        state=d.parts.machine.ctx.state.value,
         from_version=ho._from_version,
     )
     # The decode probe, now (the machine's liveness timer, fired early).
@@ -402,7 +429,9 @@ def probed(d: Daemon) -> None:
     seconds = time.monotonic() - ho.awaiting_probe
     ho.awaiting_probe = None
     ho.ended("ok", seconds)
-    d.log.info("hand-over complete", seconds=round(seconds, 3), state=d.machine.ctx.state.value)
+    d.log.info(
+        "hand-over complete", seconds=round(seconds, 3), state=d.parts.machine.ctx.state.value
+    )
     d.notifier.ready(d.status_line())
 
 
@@ -420,7 +449,7 @@ def _verified(d: Daemon, doc: dict[str, Any]) -> tuple[Child, Pipes, dict[str, A
         verify(main, doc.get("boot_id"), known - {main}, {s.value: p for s, p in pipes.items()})
         if State(m["state"]) not in SERVING:
             raise Unverifiable(f"the launch was {m['state']}, not serving")
-        if d.group is not None:
+        if d.parts.group is not None:
             raise Unverifiable("a multi-node replica does not hand over (group)")
         spec = command.build(d.cfg, str(m["profile"]))
         if list(spec.argv) != list(c["argv"]):
@@ -469,7 +498,7 @@ def _fall_back(d: Daemon, doc: dict[str, Any], why: str) -> None:
     d.handover.ended("fallback", None)
     m = doc.get("machine")
     if isinstance(m, dict) and isinstance(m.get("launch"), int):
-        d.machine.ctx.launch = m["launch"]  # launch numbers go on, as after a restart
+        d.parts.machine.ctx.launch = m["launch"]  # launch numbers go on, as after a restart
     for proc in psutil.Process().children():
         reap_when_dead(proc.pid)
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import re
 import signal
+import subprocess
 import threading
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from testkit import DaemonProcess, base_config, running, wait_gone, wait_until
+from testkit import BIN, DaemonProcess, base_config, running, wait_gone, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +114,14 @@ def test_a_state_that_does_not_verify_falls_back_to_a_relaunch(tmp_path: Path) -
         old = psutil.Process(d.sglang_pid())
         cfg["sglang"]["args"]["max-running-requests"] = 8
         d.config_path.write_text(yaml.safe_dump(cfg))
-        assert d.post("/reexec").status_code == 202
+        cli = subprocess.run(
+            [str(BIN), "reexec", "--config", str(d.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.startswith("reexec accepted")
         why = d.wait_for(lambda e: "cannot adopt" in str(e.get("event")), timeout=30)
         assert "command line" in why["why"]
         d.wait_state("ready", timeout=30)
