@@ -4,74 +4,22 @@ back to an ordinary restart, saying why."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
 import signal
 import subprocess
-import threading
-from collections import Counter
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 import yaml
 
-from testkit import BIN, DaemonProcess, base_config, running, wait_gone, wait_until
+from testkit import BIN, base_config, running, wait_gone, wait_until
+from testkit.handover import Hammer, access_lines
 
 pytestmark = pytest.mark.timeout(120)
-
-NUMBERED = re.compile(r"/get_model_info\?n=(\d+) ")
 
 
 def launches(tmp: Path) -> int:
     return int((tmp / "launches").read_text().strip())
-
-
-def access_lines(d: DaemonProcess, sent: int) -> Counter[int]:
-    """How often each of the client's numbered requests appears in SGLang's forwarded log."""
-    seen: Counter[int] = Counter()
-    for raw in d.raw:
-        with contextlib.suppress(ValueError):
-            e = json.loads(raw)
-            m = NUMBERED.search(str(e.get("event"))) if e.get("source") == "sglang" else None
-            if m:
-                seen[int(m.group(1))] += 1
-    return seen
-
-
-class Hammer:
-    """A client loop on /readyz (the admin port) and on SGLang itself, counting every answer."""
-
-    def __init__(self, admin: str, sglang: str) -> None:
-        self.admin, self.sglang = admin, sglang
-        self.codes: Counter[str] = Counter()
-        self.sent = 0
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        # A new connection for every /readyz, as a load balancer's health check makes: the
-        # one that would meet a closed port, were the socket not inherited.
-        close = {"Connection": "close"}
-        with httpx.Client(timeout=5.0) as c:
-            while not self.done.is_set():
-                try:
-                    answer = c.get(f"{self.admin}/readyz", headers=close)
-                    self.codes[str(answer.status_code)] += 1
-                except httpx.HTTPError as exc:
-                    self.codes[type(exc).__name__] += 1
-                self.sent += 1
-                c.get(f"{self.sglang}/get_model_info?n={self.sent}")
-
-    def __enter__(self) -> Hammer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.done.set()
-        self.thread.join(10)
 
 
 def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
@@ -89,6 +37,7 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
             assert done["state"] == "ready"
             wait_until(lambda: h.sent > 2 * 20 + 20, 10, "the client loop after the hand-over")
         assert set(h.codes) == {"200"}, h.codes  # never refused, never anything but ready
+        assert h.failed == 0
         assert d.proc.pid == daemon_pid and d.proc.poll() is None
         status = d.status()
         assert status["child"]["pid"] == pid  # SGLang was not relaunched
@@ -101,7 +50,7 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         assert 'kimi_serve_handoffs_total{outcome="fallback"} 0.0' in metrics
         assert d.stop() == 0
     # Every access line SGLang printed, once: none lost in the exec, none doubled.
-    seen = access_lines(d, h.sent)
+    seen = access_lines(d)
     assert [n for n in range(1, h.sent + 1) if seen[n] != 1] == [], seen
 
 
