@@ -12,6 +12,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from collections import Counter
 
 import httpx
@@ -41,6 +42,7 @@ class Hammer:
         self.codes: Counter[str] = Counter()
         self.sent = 0
         self.failed = 0  # requests to SGLang that did not answer 200
+        self.slowest_s = 0.0  # the slowest /readyz answer
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -48,13 +50,17 @@ class Hammer:
         # A new connection for every /readyz, as a load balancer's health check makes: the
         # one that would meet a closed port, were the socket not inherited.
         close = {"Connection": "close"}
-        with httpx.Client(timeout=5.0) as c:
+        # A generous timeout: on a loaded host the new daemon may take seconds to start, and a
+        # slow answer is not a failed one (the latency is measured: `slowest_s`).
+        with httpx.Client(timeout=60.0) as c:
             while not self.done.is_set():
+                began = time.monotonic()
                 try:
                     answer = c.get(f"{self.admin}/readyz", headers=close)
                     self.codes[str(answer.status_code)] += 1
                 except httpx.HTTPError as exc:
                     self.codes[type(exc).__name__] += 1
+                self.slowest_s = max(self.slowest_s, time.monotonic() - began)
                 self.sent += 1
                 try:
                     ok = c.get(f"{self.sglang}/get_model_info?n={self.sent}").status_code == 200

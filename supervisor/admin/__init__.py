@@ -348,7 +348,17 @@ async def serve(
         # cut them without a word).
         fd = os.dup(listener.sockets[0].fileno())
         listener.close()
-        await server.shutdown(HAND_OVER_DRAIN_S)
+        # A connection accepted just before the close is made a moment later (asyncio's
+        # accept callback): each round answers those seen so far, until none is new.
+        deadline = loop.time() + HAND_OVER_DRAIN_S
+        answered: set[Any] = set()
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(0)
+            new = [c for c in server.connections if c not in answered]
+            if not new:
+                break
+            answered.update(new)
+            await asyncio.gather(*(c.shutdown(left) for c in new), return_exceptions=True)
         return fd
 
     async def resume(fd: int) -> None:

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,7 +48,7 @@ from supervisor.core.context import Context
 from supervisor.core.states import State, TimerName
 from supervisor.process import Child
 from supervisor.process.adopt import Adopted, Pipe, Unverifiable, pipe_inode, verify
-from supervisor.process.identity import ProcessIdentity, current_boot_id
+from supervisor.process.identity import ProcessIdentity, current_boot_id, live_process
 from supervisor.sglang import argv as command
 from supervisor.sglang.logscan import Stream
 
@@ -86,6 +87,10 @@ MEMFD_NAME = "kimi-serve-handover"
 FORMAT = 1
 SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 SERVING = frozenset({State.READY, State.DEGRADED, State.DRAINING})
+# Internal errors handed over (Handover.recover): at most this many within the window.
+RECOVER_MAX = 3
+RECOVER_WINDOW_S = 3600.0
+INTERNAL_ERROR = "internal_error"  # the incident's reason
 OUTCOMES = ("ok", "fallback", "failed")
 
 # The machine's context fields that travel; the rest start afresh (a probe in flight is not
@@ -113,6 +118,7 @@ class Handover:
     handoffs: int = 0
     last: dict[str, Any] | None = None
     begun: bool = False
+    recoveries: list[float] = field(default_factory=list)  # wall times, carried over the exec
     # Set by `adopt` until the adopted launch's first decode answered: then READY=1.
     awaiting_probe: float | None = None
     _exec_at: float | None = None
@@ -140,6 +146,33 @@ class Handover:
         if stuck:
             return f"threads {stuck} are stuck in the kernel (D state): the exec would hang"
         return None
+
+    def recover(self, exc: BaseException) -> bool:
+        """An internal error of the daemon's own code: hand over to a fresh exec (which adopts
+        SGLang) rather than stop it, at most RECOVER_MAX times within RECOVER_WINDOW_S (then
+        the old path: a clean stop, exit 1). Recorded as an incident with the traceback."""
+        now = time.time()
+        self.recoveries = [t for t in self.recoveries if now - t < RECOVER_WINDOW_S]
+        refused = self.refusal()
+        if refused is None and len(self.recoveries) >= RECOVER_MAX:
+            refused = f"{RECOVER_MAX} hand-overs after internal errors within {RECOVER_WINDOW_S:g}s"
+        trace = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+        p = self.daemon.parts
+        written = p.recorder.record(
+            INTERNAL_ERROR,
+            f"{type(exc).__name__}: {exc}"[:300],
+            None,
+            None,
+            [*p.pump.tail(), "--- the daemon's traceback ---", *trace],
+            p.observed.gpu_status(),
+        )
+        p.observed.incident_written(written)
+        if refused is not None:
+            self.daemon.log.warning("internal error not handed over", why=refused)
+            return False
+        self.recoveries.append(now)
+        self.begin()
+        return True
 
     def begin(self) -> None:
         # Called once the answer is on its way; `execute` lets the admin requests in flight be
@@ -185,6 +218,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "mono": time.monotonic(),
         "started_at": d.handover.started_at,
         "handoffs": d.handover.handoffs,
+        "recoveries": d.handover.recoveries,
         "machine": {
             **{name: getattr(ctx, name) for name in _CTX_FIELDS},
             "restarts": list(ctx.restarts),
@@ -193,7 +227,9 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
             "pid": child.pid,
             "create_time": child.identity.create_time,
             "started_at": child.started_at,
-            "known": [[i.pid, i.create_time] for i in sorted(child.known)],
+            # Only those alive now: `known` keeps every process ever seen, helpers that
+            # ended by design among them (`ldconfig -p`, a compiler).
+            "known": [[i.pid, i.create_time] for i in sorted(child.known) if live_process(i)],
             "argv": list(d.parts.launcher.spec.argv),
         },
         "pipes": {
@@ -264,7 +300,7 @@ async def execute(d: Daemon) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, sys.orig_argv, env)
-    except OSError as exc:
+    except Exception as exc:  # an exec refused (ENOMEM, E2BIG) or a state not written
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for fd, _ in pipes.values():
             os.set_inheritable(fd, False)
@@ -275,7 +311,7 @@ async def execute(d: Daemon) -> None:
         await served.resume(admin_fd)
         ho.begun = False
         ho.ended("failed", None)
-        d.log.error("hand-over failed: the exec did not happen", error=exc.strerror or str(exc))
+        d.log.error("hand-over failed: the exec did not happen", error=repr(exc))
         d.notifier.ready(d.status_line())
 
 
@@ -383,6 +419,7 @@ def adopt(d: Daemon, got: Inherited) -> bool:
     ho._from_version = str(doc.get("version"))
     ho.handoffs = int(doc.get("handoffs") or 0) + 1
     ho.started_at = float(doc.get("started_at") or ho.started_at)
+    ho.recoveries = [float(t) for t in doc.get("recoveries") or []]
     try:
         child, pipes, m = _verified(d, doc)
     except (Unverifiable, KeyError, ValueError, TypeError, AttributeError) as exc:

@@ -74,6 +74,7 @@ class Daemon:
         self._preparing = False
         self._loop_errors: dict[str, float] = {}
         self.handover = handover.Handover(self)
+        self.inbox.recover = self.handover.recover
         self.admin_served: admin.Served | None = None  # a hand-over passes its socket on
 
     @property
