@@ -18,4 +18,5 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu-leftovers": ("gpu_leftovers", "GPU leftovers found, removed; a foreign one untouched"),
     "gpu-fitness": ("gpu_fitness", "GPU fitness, the event set, leftover counting"),
     "gpu-multi": ("gpu_multi", "hygiene and fitness across several GPUs"),
+    "handoff": ("handoff", "a hand-over (reexec) against a restart, under a client loop"),
 }

@@ -124,6 +124,15 @@ class Metrics:
             r, "kimi_serve_restarts", "SGLang restarts, by reason.", ["reason"]
         )
         self.child_starts = _counter(r, "kimi_serve_child_starts", "SGLang processes launched.")
+        self.handoffs = _counter(
+            r,
+            "kimi_serve_handoffs",
+            "Hand-overs to a fresh exec of the daemon, by outcome: ok (SGLang adopted), "
+            "fallback (relaunched), failed (no exec; the old daemon goes on).",
+            ["outcome"],
+        )
+        for outcome in ("ok", "fallback", "failed"):  # series present from the first scrape
+            self.handoffs.labels(outcome)
         self.probe_duration = _histogram(
             r,
             "kimi_serve_probe_duration_seconds",

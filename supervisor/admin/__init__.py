@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from supervisor.admin.app import AdminBackend as AdminBackend
 from supervisor.admin.app import GroupEndpoint as GroupEndpoint
 from supervisor.admin.app import Limits as Limits
 from supervisor.admin.app import Operation as Operation
+from supervisor.admin.app import Reexec as Reexec
 from supervisor.admin.app import Refused as Refused
 from supervisor.admin.app import _Auth as _Auth
 from supervisor.admin.app import _DeniedLog as _DeniedLog
@@ -280,10 +283,24 @@ class Served:
     port: int
     gate: _Gate
     stop: Callable[[], Awaitable[None]]
+    # A hand-over (daemon/handover.py): the listening socket for the next exec, and back.
+    hand_over: Callable[[], Awaitable[int]] | None = None
+    resume: Callable[[int], Awaitable[None]] | None = None
 
 
-async def serve(app: web.Application, host: str, port: int, limits: Limits = Limits()) -> Served:
-    """Bind and serve `app` with `limits`. Raises OSError."""
+# How long a hand-over waits for the admin requests in flight to be answered.
+HAND_OVER_DRAIN_S = 2.0
+
+
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: Limits = Limits(),
+    sock: socket.socket | None = None,
+) -> Served:
+    """Bind and serve `app` with `limits` (on `sock`, a listening socket a hand-over passed
+    on, when given). Raises OSError."""
     runner = web.AppRunner(
         app,
         access_log=None,
@@ -302,7 +319,12 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits = Lim
     assert server is not None
     loop = asyncio.get_running_loop()
     try:
-        listener = await loop.create_server(gate.factory(server), host, port, reuse_address=True)
+        if sock is not None:
+            listener = await loop.create_server(gate.factory(server), sock=sock)
+        else:
+            listener = await loop.create_server(
+                gate.factory(server), host, port, reuse_address=True
+            )
     except OSError:
         await runner.cleanup()
         raise
@@ -319,7 +341,32 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits = Lim
         listener.close()
         await runner.cleanup()
 
-    return Served(int(listener.sockets[0].getsockname()[1]), gate, stop)
+    async def hand_over() -> int:
+        # A duplicate keeps the socket listening once the server lets go of it: connections
+        # that come meanwhile wait in the kernel's queue for the next exec, none is refused.
+        # Requests in flight are answered, idle keep-alive connections closed (the exec would
+        # cut them without a word).
+        fd = os.dup(listener.sockets[0].fileno())
+        listener.close()
+        # A connection accepted just before the close is made a moment later (asyncio's
+        # accept callback): each round answers those seen so far, until none is new.
+        deadline = loop.time() + HAND_OVER_DRAIN_S
+        answered: set[Any] = set()
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(0)
+            new = [c for c in server.connections if c not in answered]
+            if not new:
+                break
+            answered.update(new)
+            await asyncio.gather(*(c.shutdown(left) for c in new), return_exceptions=True)
+        return fd
+
+    async def resume(fd: int) -> None:
+        nonlocal listener
+        listener = await loop.create_server(gate.factory(server), sock=socket.socket(fileno=fd))
+
+    port = int(listener.sockets[0].getsockname()[1])
+    return Served(port, gate, stop, hand_over, resume)
 
 
 async def open_endpoint(
@@ -331,6 +378,8 @@ async def open_endpoint(
     on_undrain: Operation | None = None,
     limits: Limits = Limits(),
     group: GroupEndpoint | None = None,
+    on_reexec: Reexec | None = None,
+    sock: socket.socket | None = None,
 ) -> Served:
     """Create or check the token file, then bind and serve. Raises OSError
     (admin_token.TokenFileError for the token file, before anything is bound)."""
@@ -338,6 +387,12 @@ async def open_endpoint(
     auth = _Auth(path, admin_token.ensure(path))
     log.get().info("admin token", file=path)  # where it is, never what it is
     app = build_app(
-        backend, auth, on_drain=on_drain, on_undrain=on_undrain, limits=limits, group=group
+        backend,
+        auth,
+        on_drain=on_drain,
+        on_undrain=on_undrain,
+        limits=limits,
+        group=group,
+        on_reexec=on_reexec,
     )
-    return await serve(app, host, port, limits)
+    return await serve(app, host, port, limits, sock)

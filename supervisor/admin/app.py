@@ -60,6 +60,14 @@ class AdminBackend(Protocol):
     def next_launch(self) -> int: ...
 
 
+class Reexec(Protocol):
+    """POST /reexec (daemon/handover.py): why not now, or None; then the exec, begun once
+    the answer is on its way (the exec closes the client's connection)."""
+
+    def refusal(self) -> str | None: ...
+    def begin(self) -> None: ...
+
+
 # What /drain and /undrain call: a JSON-able answer (200), or Refused (409).
 Operation = Callable[[], Awaitable[Mapping[str, Any]] | Mapping[str, Any]]
 
@@ -171,6 +179,7 @@ def build_app(
     on_undrain: Operation | None = None,
     limits: Limits = Limits(),
     group: GroupEndpoint | None = None,
+    on_reexec: Reexec | None = None,
 ) -> web.Application:
     denied_log = _DeniedLog()
     logger = log.get()
@@ -277,6 +286,20 @@ def build_app(
         # `launch`: the relaunch's number; `restart --wait` waits for that one to be ready.
         return web.json_response({"accepted": True, "launch": launch}, status=202)
 
+    async def reexec(request: web.Request) -> web.StreamResponse:
+        if on_reexec is None:
+            error = "reexec is not supported by this daemon"
+            return web.json_response({"accepted": False, "error": error}, status=501)
+        refused = on_reexec.refusal()
+        if refused:
+            return web.json_response({"accepted": False, "error": refused}, status=409)
+        response = web.json_response({"accepted": True}, status=202)
+        response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        on_reexec.begin()
+        return response
+
     def operation(name: str, op: Operation | None) -> Callable[[web.Request], Awaitable[Any]]:
         async def run(_: web.Request) -> web.Response:
             if op is None:
@@ -328,6 +351,7 @@ def build_app(
             web.post("/restart", restart),
             web.post("/drain", operation("drain", on_drain)),
             web.post("/undrain", operation("undrain", on_undrain)),
+            web.post("/reexec", reexec),
             web.get("/group", group_view),
             web.post("/group/end", group_end),
         ]

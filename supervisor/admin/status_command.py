@@ -74,6 +74,23 @@ def loading_line(loading: object) -> str:
     return ", ".join(parts)
 
 
+def daemon_lines(d: object, now: float) -> list[str]:
+    """/status.daemon: its version, uptime (across hand-overs) and the last hand-over."""
+    if not isinstance(d, dict):
+        return []
+    line = f"    Daemon: kimi-serve {d.get('version')}, pid {d.get('pid')}, up "
+    line += _ago(d.get("started_at"), now)[:-4]
+    last = d.get("last_handoff")
+    if isinstance(last, dict):
+        took = last.get("seconds")
+        took_s = f" in {took:.1f} s" if isinstance(took, int | float) else ""
+        line += (
+            f"; {d.get('handoffs')} hand-overs, the last {last.get('outcome')}{took_s} "
+            f"from {last.get('from_version')}, {_ago(last.get('at'), now)}"
+        )
+    return [line]
+
+
 def render(doc: dict[str, Any], now: float) -> str:
     out: list[str] = []
     state = doc.get("state", "?")
@@ -88,6 +105,7 @@ def render(doc: dict[str, Any], now: float) -> str:
     if loading:
         out.append(f"   Loading: {loading}")
     out.append(f"   Profile: {doc.get('profile')}")
+    out.extend(daemon_lines(doc.get("daemon"), now))
     child = doc.get("child")
     if child:
         out.append(

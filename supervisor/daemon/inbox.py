@@ -24,6 +24,9 @@ class Inbox:
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.failed = failed
+        # A failed task handed over instead of stopping (daemon.handover.Handover.recover):
+        # True when a hand-over is under way.
+        self.recover: Callable[[BaseException], bool] = lambda _exc: False
         self.log = log.get()
 
     def emit(self, item: Item) -> None:
@@ -50,6 +53,10 @@ class Inbox:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
+            assert exc is not None
+            if self.recover(exc):
+                self.log.error("internal task failed; handing over", error=repr(exc))
+                return
             self.failed()
             self.emit(StopRequested("internal-error"))
             self.log.error("internal task failed; stopping", error=repr(exc))

@@ -107,6 +107,14 @@ class Launcher:
         self._port_watch = self.spawn(self._watch_port(action.launch))
         self._tree_watch = self.spawn(self._watch_tree(child))
 
+    def adopted(self, child: Child, spec: LaunchSpec, profile: str) -> None:
+        """A launch a hand-over passed on (daemon.handover.adopt): watched as if launched here,
+        but neither counted as a start nor given a port watch (it serves already)."""
+        self.child, self.spec = child, spec
+        self.observed.child = child
+        self._save_record(child, profile)
+        self._tree_watch = self.spawn(self._watch_tree(child))
+
     def end_watches(self, which: WatchesEnd) -> None:
         if which.port and self._port_watch is not None:
             self._port_watch.cancel()

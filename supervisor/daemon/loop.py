@@ -26,7 +26,7 @@ from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
 from supervisor.core.states import ProbeKind, Reason, State, TimerName
-from supervisor.daemon import host, probing, reload, startup
+from supervisor.daemon import handover, host, probing, reload, startup
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -74,6 +74,9 @@ class Daemon:
         self._beat = self.clock()
         self._preparing = False
         self._loop_errors: dict[str, float] = {}
+        self.handover = handover.Handover(self)
+        self.inbox.recover = self.handover.recover
+        self.admin_served: admin.Served | None = None  # a hand-over passes its socket on
 
     @property
     def router(self) -> RouterLink | None:
@@ -100,6 +103,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.emit, ev.StopRequested(sig.name))
         loop.add_signal_handler(signal.SIGHUP, self.emit, ev.ReloadRequested())
+        # A hand-over blocked them across its exec (daemon/handover.py); pending ones come now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.SIGNALS)
+        inherited = handover.take()
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()
@@ -124,8 +130,11 @@ class Daemon:
                     on_drain=on_drain,
                     on_undrain=on_undrain,
                     group=self.group,
+                    on_reexec=self.handover,
+                    sock=None if inherited is None else inherited.admin,
                 )
                 shutdown_admin = served.stop
+                self.admin_served = served
             except admin_token.TokenFileError as exc:
                 return self._fatal(f"{exc} (admin.token_file in {self.cfg.path})", EX_CONFIG)
             except OSError as exc:
@@ -138,7 +147,7 @@ class Daemon:
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
             self._preparing = True
             try:
-                code = await self._prepare()
+                code = await self._prepare(handover.inherited_version(inherited))
             finally:
                 self._preparing = False
             if code is not None:
@@ -151,12 +160,13 @@ class Daemon:
                 self.log,
                 self.inbox.spawn,
             )
-            # Whatever a previous run left in the router's list is not decode-verified.
-            router.carry_out(self.router, ev.RouterDeregister(0, "startup", wait_idle=False))
-            self.observed.profile(None, self.machine.ctx.profile)
             if self.group is not None:
                 self.inbox.spawn(self.group.run())
-            self.emit(ev.Start())
+            if inherited is None or not handover.adopt(self, inherited):
+                # Whatever a previous run left in the router's list is not decode-verified.
+                router.carry_out(self.router, ev.RouterDeregister(0, "startup", wait_idle=False))
+                self.observed.profile(None, self.machine.ctx.profile)
+                self.emit(ev.Start())
             while self._exit_code is None:
                 self.dispatch(await self.queue.get())
             return self._exit_code
@@ -168,10 +178,10 @@ class Daemon:
         finally:
             await self._teardown(shutdown_admin)
 
-    async def _prepare(self) -> int | None:
+    async def _prepare(self, adopting: str | None = None) -> int | None:
         """Checks that must pass before any GPU or process is touched. An exit code, or None."""
         try:
-            await startup.prepare(self.cfg, self.fx, self.observed)
+            await startup.prepare(self.cfg, self.fx, self.observed, adopting)
         except startup.CannotStart as exc:
             return self._fatal(str(exc), exc.code)
         return None
@@ -315,6 +325,8 @@ class Daemon:
             case ev.ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
                 now, took = self.clock(), item.result.latency_s
                 self.metrics.set_load_phases(self.recorder.probe_ok(now, took))
+            case ev.ProbeDone(kind=ProbeKind.LIVENESS):
+                handover.probed(self)  # READY=1 after a hand-over's first decode
 
     def _cancel_timer(self, name: TimerName) -> None:
         handle = self._timers.pop(name, None)
@@ -442,4 +454,4 @@ class Daemon:
         return self.observed.status_line(public=True)
 
     def status_document(self) -> dict[str, Any]:
-        return self.observed.status_document()
+        return {**self.observed.status_document(), "daemon": self.handover.status()}

@@ -42,8 +42,13 @@ def check_state_dir(cfg: Config, fx: Effects) -> None:
         ) from None
 
 
-async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
-    """The NVML handle (None when GPUs are not managed). Raises CannotStart."""
+async def prepare(
+    cfg: Config, fx: Effects, observed: Observed, adopting: str | None = None
+) -> Nvml | None:
+    """The NVML handle (None when GPUs are not managed). Raises CannotStart.
+
+    `adopting`: the SGLang version of a launch a hand-over passed on; preflight is skipped
+    (SGLang holds its port, and its command line was checked before it was launched)."""
     check_state_dir(cfg, fx)
     nvml: Nvml | None = None
     if cfg.gpus.manage:
@@ -54,6 +59,9 @@ async def prepare(cfg: Config, fx: Effects, observed: Observed) -> Nvml | None:
                 f"GPU management is on (gpus.manage) but NVML is unavailable: {exc}"
             ) from None
         observed.gpus_known()
+    if adopting is not None:
+        observed.sglang(adopting)
+        return nvml
     gpu_count = host.gpu_counter(nvml, cfg) if nvml is not None else None
     try:
         checks, code = await in_thread(

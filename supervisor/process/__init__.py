@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psutil
 
@@ -124,12 +125,24 @@ def exit_status_of_zombie(pid: int, proc_root: str = "/proc") -> tuple[int | Non
     return None, None
 
 
+class Reapable(Protocol):
+    """What the owner asks of SGLang's main process: a `Popen`, or one a hand-over adopted
+    (process.adopt.Adopted: no Popen survives an exec, the child and its pid do)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self) -> int: ...
+
+
 @dataclass
 class Child:
     """One launch of SGLang and what we know of its process tree."""
 
     launch: int
-    popen: subprocess.Popen[bytes]
+    popen: Reapable
     identity: ProcessIdentity
     started_at: float  # unix time, for status and kimi_serve_child_start_time_seconds
     known: set[ProcessIdentity] = field(default_factory=set)
@@ -229,6 +242,17 @@ class _Pump:
                 [p.decode("utf-8", "replace").rstrip("\r") for p in parts],
             )
 
+    def detach(self) -> tuple[int, bytes]:
+        """Stop reading without closing: the descriptor and the partial line, for a hand-over
+        (what is still in the pipe stays there for the next reader)."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self.fd >= 0:
+            asyncio.get_running_loop().remove_reader(self.fd)
+        fd, partial, self.fd = self.fd, self.partial, -1
+        return fd, partial
+
     def _read_again(self) -> None:
         self._resume = None
         if self.fd >= 0:
@@ -273,6 +297,7 @@ class ProcessOwner:
         self.on_exit = on_exit
         self._pumps: dict[int, list[_Pump]] = {}
         self._worker_fds: dict[int, set[int]] = {}
+        self._exit_fds: dict[int, int] = {}  # launch -> the pidfd on its main process
 
     def bind(self, sink: LineSink, on_exit: Callable[[Child], None]) -> None:
         """Where SGLang's lines and its exit go (the daemon's log pump and its queue)."""
@@ -320,16 +345,34 @@ class ProcessOwner:
             known={ident},
         )
         assert popen.stdout is not None and popen.stderr is not None
-        pumps = []
-        for stream, pipe in ((Stream.STDOUT, popen.stdout), (Stream.STDERR, popen.stderr)):
-            fd = os.dup(pipe.fileno())
+        fds = []
+        for pipe in (popen.stdout, popen.stderr):
+            fds.append(os.dup(pipe.fileno()))
             pipe.close()
+        self.own(child, {Stream.STDOUT: (fds[0], b""), Stream.STDERR: (fds[1], b"")})
+        return child
+
+    def own(self, child: Child, pipes: Mapping[Stream, tuple[int, bytes]]) -> None:
+        """Pump the launch's output pipes (each with the partial line already read) and watch
+        its main process: a spawn's, or a hand-over's (process.adopt)."""
+        pumps = []
+        for stream, (fd, partial) in pipes.items():
             _set_nonblocking(fd)
             _grow_pipe(fd)
-            pumps.append(_Pump(child, stream, fd, self.sink))
-        self._pumps[launch] = pumps
+            pump = _Pump(child, stream, fd, self.sink)
+            pump.partial = partial
+            pumps.append(pump)
+        child._open_pipes = len(pumps)
+        self._pumps[child.launch] = pumps
         self._watch_exit(child)
-        return child
+
+    def release(self, child: Child) -> dict[Stream, tuple[int, bytes]]:
+        """The launch's pipes, no longer read, with their partial lines (a hand-over)."""
+        pidfd = self._exit_fds.pop(child.launch, None)
+        if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+        return {p.stream: p.detach() for p in self._pumps.pop(child.launch, [])}
 
     def _watch_exit(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -343,12 +386,14 @@ class ProcessOwner:
             return
 
         def readable() -> None:
+            self._exit_fds.pop(child.launch, None)
             loop.remove_reader(pidfd)
             os.close(pidfd)
             child.popen.wait()
             self._reaped(child)
 
         loop.add_reader(pidfd, readable)
+        self._exit_fds[child.launch] = pidfd
 
     def _reaped(self, child: Child) -> None:
         rc = child.popen.returncode

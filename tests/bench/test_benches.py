@@ -56,6 +56,7 @@ RUNS: dict[str, list[str]] = {
     "stack-dump": ["stack-dump", "--tp", "1", "--rounds", "1", "--budget", "0.5"],
     "gpu-multi": ["gpu-multi", "--simulated", "--out", "{tmp}"],
     "profile-pump": ["profile-pump", "--lines", "2000"],
+    "handoff": ["handoff", "--standin", "--rounds", "1", "--json", "{tmp}/handoff.json"],
 }
 
 
@@ -236,3 +237,12 @@ def test_canary_figures() -> None:
         [1],
         1,
     )
+
+
+@pytest.mark.slow
+def test_handoff_standin(runs: dict[str, Future[Any]]) -> None:
+    out, tmp = bench(runs, "handoff")
+    assert "hand-over vs restart on the stand-in" in out
+    [r] = json.loads((tmp / "handoff.json").read_text())["rounds"]
+    assert r["reexec"]["readyz_not_200"] == 0 and r["reexec"]["sglang_failed"] == 0
+    assert r["restart"]["readyz_not_200"] > 0  # a restart is seen by the client; a hand-over not

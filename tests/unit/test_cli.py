@@ -41,6 +41,7 @@ PURPOSE = {
     "drain": "deregister from the router",
     "undrain": "register with the router again",
     "canary": "golden answers",
+    "reexec": "fresh exec of the installed kimi-serve",
 }
 
 PRODUCTION_FLAGS = [

@@ -1,0 +1,557 @@
+"""Hand-over: the daemon execs a fresh kimi-serve under its own PID and SGLang keeps serving.
+
+`POST /reexec` (or `kimi-serve reexec`) → `Handover.begin` → `execute`: the launch's pipes are
+no longer read (`ProcessOwner.release`: what is still in a pipe stays there, the partial line
+read goes into the state), the state is written to a memfd, the memfd, the pipes and the admin
+listening socket are made inheritable (Python opens every descriptor close-on-exec), systemd is
+told `RELOADING=1`, SIGTERM, SIGINT and SIGHUP are blocked (the mask survives the exec: a stop
+in that window waits for the new daemon's handlers instead of killing the daemon, and SGLang
+with it), and the same interpreter execs the installed kimi-serve with the same arguments.
+
+The new daemon (`take` at the start of `Daemon.run`): the memfd's number comes in
+`KIMI_SERVE_HANDOVER_FD`, which is removed from the environment at once (SGLang must not inherit
+it). The state is trusted only when the descriptor is a memfd of ours and the state names this
+PID and this boot: a variable left in an environment by anything else is ignored. The admin
+endpoint serves on the inherited listening socket, so a client never sees a refused connection;
+preflight is skipped; `adopt` verifies each process and pipe (process.adopt.verify) and resumes
+the pump on the same pipes with the partial line; the machine's context comes back as it was
+(state, launch number, profile, the crash-loop window's restarts, its trial clock): a
+hand-over is neither a launch nor a restart. A liveness decode probe follows at once, and
+READY=1 once it answered. Anything that does not verify falls back to the ordinary path: the
+log says why, and the start cleans the host of the old launch (the launch record) and launches.
+
+Only a serving daemon hands over (`ready`, `degraded`, `draining`): during a load the request
+is refused, and so is a multi-node replica's (docs/architecture.md, "Hand-over").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psutil
+
+from supervisor import __version__, log, router
+from supervisor.core import events as ev
+from supervisor.core.context import Context
+from supervisor.core.states import State, TimerName
+from supervisor.process import Child
+from supervisor.process.adopt import Adopted, Pipe, Unverifiable, pipe_inode, verify
+from supervisor.process.identity import ProcessIdentity, current_boot_id, live_process
+from supervisor.sglang import argv as command
+from supervisor.sglang.logscan import Stream
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from supervisor.admin import Served
+    from supervisor.config import Config
+    from supervisor.daemon.inbox import Item
+    from supervisor.daemon.notify import Notifier
+    from supervisor.daemon.wiring import Parts
+    from supervisor.metrics import Metrics
+    from supervisor.router import RouterLink
+
+
+class Daemon(Protocol):
+    """What a hand-over reads and drives of the daemon (daemon.loop.Daemon)."""
+
+    cfg: Config
+    parts: Parts
+    notifier: Notifier
+    metrics: Metrics
+    log: Any
+    handover: Handover
+    admin_served: Served | None
+    clock: Callable[[], float]
+
+    @property
+    def router(self) -> RouterLink | None: ...
+    def emit(self, item: Item) -> None: ...
+    def status_line(self) -> str: ...
+
+
+ENV = "KIMI_SERVE_HANDOVER_FD"
+MEMFD_NAME = "kimi-serve-handover"
+FORMAT = 1
+SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+SERVING = frozenset({State.READY, State.DEGRADED, State.DRAINING})
+# Internal errors handed over (Handover.recover): at most this many within the window.
+RECOVER_MAX = 3
+RECOVER_WINDOW_S = 3600.0
+INTERNAL_ERROR = "internal_error"  # the incident's reason
+OUTCOMES = ("ok", "fallback", "failed")
+
+# The machine's context fields that travel; the rest start afresh (a probe in flight is not
+# carried: the new daemon probes at once).
+_CTX_FIELDS = (
+    "state",
+    "since",
+    "profile",
+    "launch",
+    "launched_at",
+    "ready_at",
+    "liveness_failures",
+    "backoff",
+    "ever_ready",
+    "canary_at",
+)
+
+
+@dataclass
+class Handover:
+    """The daemon's own run: its version, when it started, the hand-overs behind it."""
+
+    daemon: Daemon
+    started_at: float = field(default_factory=time.time)
+    handoffs: int = 0
+    last: dict[str, Any] | None = None
+    begun: bool = False
+    recoveries: list[float] = field(default_factory=list)  # wall times, carried over the exec
+    # Set by `adopt` until the adopted launch's first decode answered: then READY=1.
+    awaiting_probe: float | None = None
+    _exec_at: float | None = None
+    _from_version: str | None = None
+
+    def refusal(self) -> str | None:
+        """Why a hand-over cannot be done now (POST /reexec answers 409), or None."""
+        d = self.daemon
+        ctx = d.parts.machine.ctx
+        if self.begun:
+            return "a hand-over is already under way"
+        if ctx.state not in SERVING:
+            return (
+                f"the daemon hands over only while serving (ready, degraded, draining); "
+                f"it is {ctx.state.value}: try again once ready, or use restart"
+            )
+        if d.parts.group is not None:
+            return "a multi-node replica does not hand over (group): use restart"
+        child = d.parts.launcher.child
+        if child is None or not child.alive() or child.stop_begun:
+            return "SGLang is not running"
+        if self.awaiting_probe is not None:
+            return "the last hand-over is still probing SGLang"
+        stuck = stuck_threads()
+        if stuck:
+            return f"threads {stuck} are stuck in the kernel (D state): the exec would hang"
+        return None
+
+    def recover(self, exc: BaseException) -> bool:
+        """An internal error of the daemon's own code: hand over to a fresh exec (which adopts
+        SGLang) rather than stop it, at most RECOVER_MAX times within RECOVER_WINDOW_S (then
+        the old path: a clean stop, exit 1). Recorded as an incident with the traceback."""
+        now = time.time()
+        self.recoveries = [t for t in self.recoveries if now - t < RECOVER_WINDOW_S]
+        refused = self.refusal()
+        if refused is None and len(self.recoveries) >= RECOVER_MAX:
+            refused = f"{RECOVER_MAX} hand-overs after internal errors within {RECOVER_WINDOW_S:g}s"
+        trace = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+        p = self.daemon.parts
+        written = p.recorder.record(
+            INTERNAL_ERROR,
+            f"{type(exc).__name__}: {exc}"[:300],
+            None,
+            None,
+            [*p.pump.tail(), "--- the daemon's traceback ---", *trace],
+            p.observed.gpu_status(),
+        )
+        p.observed.incident_written(written)
+        if refused is not None:
+            self.daemon.log.warning("internal error not handed over", why=refused)
+            return False
+        self.recoveries.append(now)
+        self.begin()
+        return True
+
+    def begin(self) -> None:
+        # Called once the answer is on its way; `execute` lets the admin requests in flight be
+        # answered before the exec.
+        self.begun = True
+        self.daemon.parts.inbox.spawn(execute(self.daemon))
+
+    def status(self) -> dict[str, Any]:
+        """`/status.daemon`."""
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "handoffs": self.handoffs,
+            "last_handoff": self.last,
+        }
+
+    def ended(self, outcome: str, seconds: float | None) -> None:
+        self.last = {
+            "at": time.time(),
+            "seconds": None if seconds is None else round(seconds, 3),
+            "from_version": self._from_version,
+            "outcome": outcome,
+        }
+        self.daemon.metrics.handoffs.labels(outcome).inc()
+
+
+# ------------------------------------------------------------------ the old daemon
+
+
+Pipes = dict[Stream, tuple[int, bytes]]
+
+
+def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, Any]:
+    ctx = d.parts.machine.ctx
+    quality = d.parts.quality.cur
+    link = d.router
+    return {
+        "format": FORMAT,
+        "pid": os.getpid(),
+        "boot_id": current_boot_id(),
+        "version": __version__,
+        "mono": time.monotonic(),
+        "started_at": d.handover.started_at,
+        "handoffs": d.handover.handoffs,
+        "recoveries": d.handover.recoveries,
+        "machine": {
+            **{name: getattr(ctx, name) for name in _CTX_FIELDS},
+            "restarts": list(ctx.restarts),
+        },
+        "child": {
+            "pid": child.pid,
+            "create_time": child.identity.create_time,
+            "started_at": child.started_at,
+            # Only those alive now: `known` keeps every process ever seen, helpers that
+            # ended by design among them (`ldconfig -p`, a compiler).
+            "known": [[i.pid, i.create_time] for i in sorted(child.known) if live_process(i)],
+            "argv": list(d.parts.launcher.spec.argv),
+        },
+        "pipes": {
+            stream.value: {
+                "fd": fd,
+                "inode": pipe_inode(fd),
+                "partial": base64.b64encode(partial).decode("ascii"),
+            }
+            for stream, (fd, partial) in pipes.items()
+        },
+        "admin_fd": admin_fd,
+        "router_worker_id": None if link is None else link.state.worker_id,
+        "sglang_version": d.parts.observed.sglang_version,
+        "quality": None
+        if quality is None
+        else {
+            "canary": quality.canary,
+            "key": quality.key,
+            "identity": quality.identity,
+            "version": quality.version,
+        },
+    }
+
+
+def _memfd(doc: dict[str, Any]) -> int:
+    fd = os.memfd_create(MEMFD_NAME, 0)  # no MFD_CLOEXEC: it is for the exec
+    data = json.dumps(doc).encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+async def execute(d: Daemon) -> None:
+    """The exec. Returns only if it did not happen: then everything is as it was, the log
+    says why."""
+    ho, served = d.handover, d.admin_served
+    if served is None or served.hand_over is None or served.resume is None:
+        ho.begun = False
+        d.log.warning("hand-over not begun", why="the admin endpoint is not serving")
+        return
+    admin_fd = await served.hand_over()
+    # From here a stop or a reload waits, blocked, for the new daemon's handlers. One that
+    # came just before is already queued as an event the exec would drop: then no hand-over.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    for _ in range(2):  # the signal's handler, then the callback it scheduled
+        await asyncio.sleep(0)
+    refused = _still_refused(d) or _signalled(d)  # the state may have moved on meanwhile
+    child = d.parts.launcher.child
+    if refused is not None or child is None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        await served.resume(admin_fd)
+        ho.begun = False
+        d.log.warning("hand-over not begun", why=refused or "SGLang is not running")
+        return
+    log.get().info("hand-over: exec", version=__version__, sglang_pid=child.pid)
+    pipes = d.parts.launcher.owner.release(child)
+    memfd = -1
+    try:
+        memfd = _memfd(state_of(d, child, pipes, admin_fd))
+        passed = [memfd, admin_fd, *(fd for fd, _ in pipes.values())]
+        for fd in passed:
+            os.set_inheritable(fd, True)
+        d.notifier.reloading()
+        d.notifier.status(f"handing over to a fresh exec of kimi-serve (pid {os.getpid()})")
+        env = {**os.environ, ENV: str(memfd)}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+    except Exception as exc:  # an exec refused (ENOMEM, E2BIG) or a state not written
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for fd, _ in pipes.values():
+            os.set_inheritable(fd, False)
+        if memfd >= 0:
+            os.close(memfd)
+        d.parts.launcher.owner.own(child, pipes)
+        os.set_inheritable(admin_fd, False)
+        await served.resume(admin_fd)
+        ho.begun = False
+        ho.ended("failed", None)
+        d.log.error("hand-over failed: the exec did not happen", error=repr(exc))
+        d.notifier.ready(d.status_line())
+
+
+def _signalled(d: Daemon) -> str | None:
+    """A stop or reload already queued: the exec would lose it."""
+    queued = []
+    while not d.parts.inbox.queue.empty():
+        queued.append(d.parts.inbox.queue.get_nowait())
+    for item in queued:
+        d.parts.inbox.queue.put_nowait(item)  # in order, untouched: the hand-over may not happen
+    for item in queued:
+        if isinstance(item, ev.StopRequested | ev.ReloadRequested):
+            return f"a {type(item).__name__} came first"
+    return None
+
+
+def stuck_threads(task_dir: str = "/proc/self/task") -> list[int]:
+    """Threads of this process in uninterruptible sleep (D state: NVML, a hung mount): the
+    kernel waits for them before an exec completes, so a hand-over would hang on them."""
+    stuck = []
+    for tid in os.listdir(task_dir):
+        with contextlib.suppress(OSError):
+            with open(f"{task_dir}/{tid}/stat", "rb") as f:
+                raw = f.read().decode("ascii", "replace")
+            if raw[raw.rfind(")") + 2 :].split()[:1] == ["D"]:
+                stuck.append(int(tid))
+    return stuck
+
+
+def _still_refused(d: Daemon) -> str | None:
+    # Between the answer and this turn of the loop the state may have moved on.
+    ho = d.handover
+    ho.begun = False
+    try:
+        return ho.refusal()
+    finally:
+        ho.begun = True
+
+
+# ------------------------------------------------------------------ the new daemon
+
+
+@dataclass(frozen=True)
+class Inherited:
+    doc: dict[str, Any]
+    admin: socket.socket | None
+
+
+def take() -> Inherited | None:
+    """The state an earlier exec of this daemon passed on, or None (a start, or a state that
+    is not ours: logged). Removes the variable from the environment either way."""
+    raw = os.environ.pop(ENV, None)
+    if raw is None:
+        return None
+    try:
+        fd = int(raw)
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except (ValueError, OSError):
+        log.get().warning("hand-over state ignored", why=f"{ENV}={raw!r} names no descriptor")
+        return None
+    if not link.startswith(f"/memfd:{MEMFD_NAME}"):
+        log.get().warning("hand-over state ignored", why=f"fd {fd} is {link}, not a hand-over")
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        log.get().warning("hand-over state ignored", why=f"unreadable: {exc}")
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("pid") != os.getpid():
+        log.get().warning("hand-over state ignored", why="not written for this process")
+        return None
+    return Inherited(doc, _admin_socket(doc.get("admin_fd")))
+
+
+def _admin_socket(fd: Any) -> socket.socket | None:
+    if not isinstance(fd, int) or fd < 0:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        log.get().warning("hand-over: admin socket not inherited", fd=fd, error=str(exc))
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
+            raise OSError("not a listening socket")
+    except OSError as exc:
+        sock.close()
+        log.get().warning("hand-over: admin socket not inherited", fd=fd, error=str(exc))
+        return None
+    sock.set_inheritable(False)
+    return sock
+
+
+def inherited_version(got: Inherited | None) -> str | None:
+    """SGLang's version as the old daemon knew it: preflight is skipped on a hand-over."""
+    if got is None:
+        return None
+    return str(got.doc.get("sglang_version") or "unknown")
+
+
+def adopt(d: Daemon, got: Inherited) -> bool:
+    """Take over the launch `got` describes; False when it fell back (then emit Start)."""
+    doc, ho = got.doc, d.handover
+    ho._from_version = str(doc.get("version"))
+    ho.handoffs = int(doc.get("handoffs") or 0) + 1
+    ho.started_at = float(doc.get("started_at") or ho.started_at)
+    ho.recoveries = [float(t) for t in doc.get("recoveries") or []]
+    try:
+        child, pipes, m = _verified(d, doc)
+    except (Unverifiable, KeyError, ValueError, TypeError, AttributeError) as exc:
+        why = str(exc) if isinstance(exc, Unverifiable) else f"state unreadable: {exc!r}"
+        _fall_back(d, doc, why)
+        return False
+    spec = command.build(d.cfg, m["profile"])
+    d.parts.launcher.adopted(child, spec, m["profile"])
+    d.parts.launcher.owner.own(child, pipes)
+    d.parts.launcher.owner.refresh_tree(child)
+    d.parts.pump.new_launch()
+    now = d.clock()
+    d.parts.recorder.launched(child.launch, m["profile"], now)
+    d.parts.quality.launched(child.launch, spec)
+    quality, cur = doc.get("quality"), d.parts.quality.cur
+    if isinstance(quality, dict) and cur is not None:
+        cur.canary = dict(quality.get("canary") or cur.canary)
+        cur.key, cur.identity = quality.get("key"), quality.get("identity")
+        cur.version = quality.get("version")
+    _restore(d.parts.machine.ctx, m)
+    d.parts.observed.profile(None, d.parts.machine.ctx.profile)
+    link = d.router
+    if link is not None and d.parts.machine.ctx.state is not State.DRAINING:
+        link.state.worker_id = doc.get("router_worker_id")
+        router.carry_out(link, ev.RouterRegister(child.launch))
+    ho.awaiting_probe = float(doc["mono"])
+    d.log.info(
+        "hand-over: SGLang adopted",
+        sglang_pid=child.pid,
+        launch=child.launch,
+        state=d.parts.machine.ctx.state.value,
+        from_version=ho._from_version,
+    )
+    # The decode probe, now (the machine's liveness timer, fired early).
+    d.emit(ev.TimerFired(TimerName.LIVENESS, child.launch))
+    return True
+
+
+def probed(d: Daemon) -> None:
+    """The adopted launch's first decode answered: READY=1 ends systemd's reload job."""
+    ho = d.handover
+    if ho.awaiting_probe is None:
+        return
+    seconds = time.monotonic() - ho.awaiting_probe
+    ho.awaiting_probe = None
+    ho.ended("ok", seconds)
+    d.log.info(
+        "hand-over complete", seconds=round(seconds, 3), state=d.parts.machine.ctx.state.value
+    )
+    d.notifier.ready(d.status_line())
+
+
+def _verified(d: Daemon, doc: dict[str, Any]) -> tuple[Child, Pipes, dict[str, Any]]:
+    c, m = doc["child"], doc["machine"]
+    main = ProcessIdentity(int(c["pid"]), float(c["create_time"]))
+    known = {ProcessIdentity(int(p), float(t)) for p, t in c["known"]}
+    pipes = {
+        Stream(name): Pipe(int(p["fd"]), int(p["inode"]), base64.b64decode(p["partial"]))
+        for name, p in doc["pipes"].items()
+    }
+    try:
+        if set(pipes) != {Stream.STDOUT, Stream.STDERR}:
+            raise Unverifiable("the state does not name both of SGLang's output pipes")
+        verify(main, doc.get("boot_id"), known - {main}, {s.value: p for s, p in pipes.items()})
+        if State(m["state"]) not in SERVING:
+            raise Unverifiable(f"the launch was {m['state']}, not serving")
+        if d.parts.group is not None:
+            raise Unverifiable("a multi-node replica does not hand over (group)")
+        spec = command.build(d.cfg, str(m["profile"]))
+        if list(spec.argv) != list(c["argv"]):
+            raise Unverifiable(
+                f"the configuration changes SGLang's command line ({d.cfg.path}): relaunching"
+            )
+    except BaseException:
+        for p in pipes.values():
+            _close(p.fd)
+        raise
+    child = Child(
+        launch=int(m["launch"]),
+        popen=Adopted(main.pid),
+        identity=main,
+        started_at=float(c["started_at"]),
+        known=known | {main},
+    )
+    return child, {s: (p.fd, p.partial) for s, p in pipes.items()}, m
+
+
+def _restore(ctx: Context, m: dict[str, Any]) -> None:
+    ctx.state = State(m["state"])
+    ctx.since = float(m["since"])
+    ctx.profile = str(m["profile"])
+    ctx.launch = int(m["launch"])
+    ctx.child = True
+    ctx.launched_at = m["launched_at"]
+    ctx.ready_at = m["ready_at"]
+    ctx.liveness_failures = int(m["liveness_failures"])
+    ctx.backoff = float(m["backoff"])
+    ctx.ever_ready = bool(m["ever_ready"])
+    ctx.canary_at = m["canary_at"]
+    ctx.restarts = deque(float(t) for t in m["restarts"])
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _fall_back(d: Daemon, doc: dict[str, Any], why: str) -> None:
+    """The ordinary path: the start that follows cleans the old launch away (its launch
+    record, its session, the owner marker) and launches anew. The old main process is still
+    our child: it is reaped once it dies, so no zombie stays."""
+    d.log.warning("hand-over: cannot adopt SGLang; stopping it and relaunching", why=why)
+    d.handover.ended("fallback", None)
+    m = doc.get("machine")
+    if isinstance(m, dict) and isinstance(m.get("launch"), int):
+        d.parts.machine.ctx.launch = m["launch"]  # launch numbers go on, as after a restart
+    for proc in psutil.Process().children():
+        reap_when_dead(proc.pid)
+
+
+def reap_when_dead(pid: int) -> None:
+    """Reap an inherited child (a process the earlier exec spawned) once it exits."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+
+    def readable() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+    loop.add_reader(pidfd, readable)

@@ -1,0 +1,77 @@
+"""A client loop for hand-over tests and the benchmark: /readyz on a new connection every time
+(as a load balancer's health check) and a numbered request to SGLang, each answer counted, so
+a refused connection, a non-200 and a log line lost or doubled across an exec all show.
+
+`access_lines(d)`: how often each numbered request appears in SGLang's log as the daemon
+forwarded it (the access line real SGLang's uvicorn and the stand-in both print).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from collections import Counter
+
+import httpx
+
+from testkit.daemon import DaemonProcess
+
+NUMBERED = re.compile(r"/get_model_info\?n=(\d+) ")
+
+
+def access_lines(d: DaemonProcess) -> Counter[int]:
+    """How often each of the client's numbered requests appears in SGLang's forwarded log."""
+    seen: Counter[int] = Counter()
+    for raw in d.raw:
+        with contextlib.suppress(ValueError):
+            e = json.loads(raw)
+            m = NUMBERED.search(str(e.get("event"))) if e.get("source") == "sglang" else None
+            if m:
+                seen[int(m.group(1))] += 1
+    return seen
+
+
+class Hammer:
+    """A client loop on /readyz (the admin port) and on SGLang itself, counting every answer."""
+
+    def __init__(self, admin: str, sglang: str) -> None:
+        self.admin, self.sglang = admin, sglang
+        self.codes: Counter[str] = Counter()
+        self.sent = 0
+        self.failed = 0  # requests to SGLang that did not answer 200
+        self.slowest_s = 0.0  # the slowest /readyz answer
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        # A new connection for every /readyz, as a load balancer's health check makes: the
+        # one that would meet a closed port, were the socket not inherited.
+        close = {"Connection": "close"}
+        # A generous timeout: on a loaded host the new daemon may take seconds to start, and a
+        # slow answer is not a failed one (the latency is measured: `slowest_s`).
+        with httpx.Client(timeout=60.0) as c:
+            while not self.done.is_set():
+                began = time.monotonic()
+                try:
+                    answer = c.get(f"{self.admin}/readyz", headers=close)
+                    self.codes[str(answer.status_code)] += 1
+                except httpx.HTTPError as exc:
+                    self.codes[type(exc).__name__] += 1
+                self.slowest_s = max(self.slowest_s, time.monotonic() - began)
+                self.sent += 1
+                try:
+                    ok = c.get(f"{self.sglang}/get_model_info?n={self.sent}").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.failed += not ok
+
+    def __enter__(self) -> Hammer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.done.set()
+        self.thread.join(10)

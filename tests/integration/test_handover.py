@@ -1,0 +1,108 @@
+"""Hand-over with the real daemon and the stand-in: `POST /reexec` execs a fresh kimi-serve
+under the same PID, which adopts SGLang without relaunching it; what cannot be verified falls
+back to an ordinary restart, saying why."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from testkit import BIN, base_config, running, wait_gone, wait_until
+from testkit.handover import Hammer, access_lines
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def launches(tmp: Path) -> int:
+    return int((tmp / "launches").read_text().strip())
+
+
+def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path)
+    sglang = f"http://127.0.0.1:{cfg['sglang']['port']}"
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        pid = d.sglang_pid()
+        daemon_pid = d.proc.pid
+        with Hammer(d.admin, sglang) as h:
+            wait_until(lambda: h.sent > 20, 10, "the client loop running")
+            r = d.post("/reexec")
+            assert r.status_code == 202, r.text
+            done = d.wait_for(lambda e: e.get("event") == "hand-over complete", timeout=30)
+            assert done["state"] == "ready"
+            wait_until(lambda: h.sent > 2 * 20 + 20, 10, "the client loop after the hand-over")
+        assert set(h.codes) == {"200"}, h.codes  # never refused, never anything but ready
+        assert h.failed == 0
+        assert d.proc.pid == daemon_pid and d.proc.poll() is None
+        status = d.status()
+        assert status["child"]["pid"] == pid  # SGLang was not relaunched
+        assert launches(tmp_path) == 1
+        assert status["state"] == "ready"
+        assert status["daemon"]["handoffs"] == 1
+        assert status["daemon"]["last_handoff"]["outcome"] == "ok"
+        metrics = d.get("/metrics").text
+        assert 'kimi_serve_handoffs_total{outcome="ok"} 1.0' in metrics
+        assert 'kimi_serve_handoffs_total{outcome="fallback"} 0.0' in metrics
+        assert d.stop() == 0
+    # Every access line SGLang printed, once: none lost in the exec, none doubled.
+    seen = access_lines(d)
+    assert [n for n in range(1, h.sent + 1) if seen[n] != 1] == [], seen
+
+
+def test_a_state_that_does_not_verify_falls_back_to_a_relaunch(tmp_path: Path) -> None:
+    # The configuration now asks for another command line: the running SGLang is not what the
+    # new daemon would launch, so it is stopped and relaunched, and the log says why.
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        old = psutil.Process(d.sglang_pid())
+        cfg["sglang"]["args"]["max-running-requests"] = 8
+        d.config_path.write_text(yaml.safe_dump(cfg))
+        cli = subprocess.run(
+            [str(BIN), "reexec", "--config", str(d.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.startswith("reexec accepted")
+        why = d.wait_for(lambda e: "cannot adopt" in str(e.get("event")), timeout=30)
+        assert "command line" in why["why"]
+        d.wait_state("ready", timeout=30)
+        assert not wait_gone([old], timeout=5)
+        status = d.status()
+        assert status["child"]["pid"] != old.pid
+        assert "--max-running-requests" in psutil.Process(status["child"]["pid"]).cmdline()
+        assert launches(tmp_path) == 2
+        assert status["daemon"]["last_handoff"]["outcome"] == "fallback"
+        assert status["child"]["launch"] == 2  # numbering goes on
+        assert 'kimi_serve_handoffs_total{outcome="fallback"} 1.0' in d.get("/metrics").text
+        assert d.stop() == 0
+
+
+def test_a_stop_during_the_exec_waits_for_the_new_daemon_and_is_clean(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        procs = [psutil.Process(p) for p in d.status()["child"]["processes"]]
+        assert d.post("/reexec").status_code == 202
+        d.wait_for(lambda e: e.get("event") == "hand-over: exec", timeout=30)
+        d.signal(signal.SIGTERM)  # blocked across the exec: the new daemon's handler gets it
+        assert d.proc.wait(30) == 0
+        assert not wait_gone(procs, timeout=5), "SGLang outlived the daemon"
+
+
+def test_reexec_is_refused_while_loading(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path, sglang={"env": {"STANDIN_LOAD_SECONDS": "30"}})
+    with running(tmp_path, cfg) as d:
+        d.wait_state("loading")
+        r = d.post("/reexec")
+        assert r.status_code == 409
+        assert "only while serving" in r.json()["error"]
+        assert d.post("/reexec", token=False).status_code == 401
+        assert d.stop() == 0
