@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import __version__, gpu, log
 from supervisor.config import Config
-from supervisor.core.downtime import Downtime
+from supervisor.core.downtime import REQUESTED, Downtime
 from supervisor.core.machine import (
+    MODEL_MISSING,
     Context,
     ProbeKind,
     RecordRestart,
@@ -137,7 +138,9 @@ class Observed:
             if self.last_restart is not None:
                 self.last_restart["downtime_s"] = round(down, 3)
         self._remember(t, now_unix)
-        level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
+        level = {State.RESTARTING: "warning", State.WAITING: "warning", State.FAILED: "error"}.get(
+            t.new, "info"
+        )
         getattr(self.log, level)(
             "state",
             old=t.old.value,
@@ -185,6 +188,11 @@ class Observed:
             "log_tail": tail,
             "downtime_s": None,  # set once ready again (unrequested restarts only)
         }
+        if action.reason in REQUESTED:
+            # Asked for (manual, reload): not a failure, so not at error level, and without
+            # SGLang's last lines (`journalctl -p err` lists failures only; /status keeps them).
+            self.log.info("sglang restart", reason=action.reason.value, detail=action.detail)
+            return
         self.log.error(
             "sglang restart",
             reason=action.reason.value,
@@ -318,6 +326,8 @@ class Observed:
             parts.append(f"- waiting for port {self.cfg.sglang.port}")
         elif state is State.WARMING:
             parts.append("- decode probe")
+        elif state is State.WAITING:
+            parts.append(f"- {MODEL_MISSING}, checked again with backoff")
         elif state in (State.READY, State.DEGRADED) and self.last_probe:
             parts.append(f"- probe {self.last_probe['latency_s'] * 1000:.0f} ms")
             if state is State.DEGRADED:
@@ -327,7 +337,7 @@ class Observed:
         degraded = [] if self.quality is None else self.quality.degraded()
         if degraded and state in (State.READY, State.DEGRADED, State.DRAINING):
             parts.append(f"- quality: {', '.join(degraded)}")
-        if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
+        if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING, State.WAITING):
             parts.append(f"- {self.detail}")
         if note := self.note():
             parts.append(f"- {note}")

@@ -257,12 +257,17 @@ def run_checks(
     return checks
 
 
+# The checks of the model and draft model directories: failing, the daemon is `waiting`.
+MODEL_CHECKS = frozenset({"model_path", "draft_model_path"})
+
+
 def host_checks(
     cfg: Config, specs: Sequence[LaunchSpec], gpu_count: Callable[[], int] | None
 ) -> list[Check]:
     """Model and draft paths, GPU count: what the daemon re-checks before every launch."""
     sg = cfg.sglang
     checks = [check_model_path("model_path", sg.model_path, "sglang.model_path", sg.workdir)]
+    # Names from MODEL_CHECKS: a failure of either sends the daemon to `waiting`.
     drafts: dict[str, str] = {}
     for spec in specs:
         for flag in ("speculative-draft-model-path", "speculative-draft-model"):
