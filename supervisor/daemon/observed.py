@@ -8,6 +8,7 @@ Prometheus counter; /status reads them from there.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,9 @@ from supervisor.process import Child
 from supervisor.router import RouterLink, unlinked_status
 from supervisor.sglang import intent
 from supervisor.sglang.probe import ProbeResult
+
+# A version is a short label value from a peer: anything else is not taken.
+VERSION_TEXT = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 
 if TYPE_CHECKING:
     from supervisor.daemon.group import Group
@@ -271,6 +275,11 @@ class Observed:
         if info is None:
             self.intent = {"checked": False, "mismatches": [], "error": "server_info unavailable"}
             return
+        # The running server's own version (http_server.py:888 in 0.5.23, docs/sglang.md) wins
+        # over the one preflight read from the interpreter: the stand-in, an upgrade since.
+        version = info.get("version")
+        if isinstance(version, str) and VERSION_TEXT.fullmatch(version):
+            self.sglang(version)
         self.metrics.mismatch.clear()
         for m in mismatches:
             self.metrics.mismatch.labels(m.arg).set(1)
