@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from supervisor import __version__, gpu, log
 from supervisor.config import Config
 from supervisor.core.downtime import REQUESTED, Downtime
@@ -88,6 +90,8 @@ class Observed:
         self._launched_since_cleaning = True
         self.child: Child | None = None
         self.sglang_version = "unknown"
+        me = psutil.Process()
+        self.own_process = {"pid": me.pid, "create_time": me.create_time()}
         self.since_unix = wall()
         self.detail = ""
         self.last_restart: dict[str, Any] | None = None
@@ -386,6 +390,9 @@ class Observed:
             "version": __version__,
             "sglang_version": self.sglang_version,
             "config": self.cfg.path,
+            # Whom `kimi-serve preflight` matches the SGLang port's holder against (its
+            # ancestry): this process, by PID and start time (preflight/serving.py).
+            "daemon_process": self.own_process,
             "child": None
             if child is None
             else {
