@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from testkit import base_config, running
@@ -33,3 +34,29 @@ def test_a_requested_restart_is_info_a_crash_is_error(tmp_path: Path) -> None:
         d.wait_state("ready")
         errors = [e for e in d.seen if e.get("level") == "error"]
         assert [e["event"] for e in errors] == ["sglang restart"], errors
+
+
+def _access(e: dict[str, object], path: str) -> bool:
+    return e.get("source") == "sglang" and f'"{path} HTTP/1.1"' in str(e.get("event"))
+
+
+def test_the_daemons_probe_lines_are_debug_a_users_request_info(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path, logging={"level": "debug"})
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        # Liveness probes every 0.5 s: their access lines come at debug.
+        d.wait_for(
+            lambda e: _access(e, "POST /generate") and e.get("level") == "debug",
+            what="a probe's access line at debug",
+        )
+        sglang = f"http://127.0.0.1:{cfg['sglang']['port']}"
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(sglang + "/generate", json=body, timeout=10).status_code == 200
+        user = d.wait_for(
+            lambda e: _access(e, "POST /generate") and e.get("level") == "info",
+            what="the user's access line at info",
+        )
+        ours = [e for e in d.seen if _access(e, "POST /generate") and e.get("level") == "debug"]
+        assert ours and all(
+            e["event"].split(" - ")[0] != user["event"].split(" - ")[0] for e in ours
+        )
