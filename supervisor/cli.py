@@ -235,7 +235,7 @@ def cmd_preflight(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
-    return preflight.run_preflight_command(cfg, out, open_nvml=_open_nvml)
+    return preflight.run_preflight_command(cfg, out, open_nvml=_open_nvml, as_json=args.json)
 
 
 def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -407,11 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("run", cmd_run, "run the daemon: own SGLang until SIGTERM/SIGINT")
     p = add("check", cmd_check, "validate the config file; print ok or every error")
     p.add_argument("--json", action="store_true", help="print {ok, config, errors, warnings}")
-    add(
+    p = add(
         "preflight",
         cmd_preflight,
         "host checks before a long load: paths, GPUs, port, interpreter, SGLang's own parser",
     )
+    p.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     p = add("print-command", cmd_print_command, "print the exact SGLang command line and env")
     p.add_argument("--profile", metavar="NAME", help="profile to apply (default primary)")
     p = add("probe", cmd_probe, "send one readiness decode probe to a running server")

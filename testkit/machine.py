@@ -135,6 +135,10 @@ class Drive:
         self.send(core.Start())
         return self.expect(core.State.CLEANING)
 
+    def waiting(self) -> Drive:
+        self.cleaning().send(core.HostNotReady("model_path missing", model_missing=True))
+        return self.expect(core.State.WAITING)
+
     def launching(self) -> Drive:
         self.cleaning().send(core.HostReady())
         return self.expect(core.State.LAUNCHING)

@@ -100,6 +100,7 @@ class Invariants:
                     assert a.old is state, f"{a} does not start from {state}"
                     status_only = a.old is a.new and a.old in (
                         core.State.CLEANING,
+                        core.State.WAITING,
                         core.State.DEGRADED,
                         core.State.RESTARTING,
                         core.State.DRAINING,
@@ -307,6 +308,8 @@ class World:
                                 *[core.HostReady()] * 8,
                                 core.HostNotReady("GPU memory still held"),
                                 core.HostNotReady("GPU memory still held"),
+                                core.HostNotReady("no model yet", model_missing=True),
+                                core.HostNotReady("no model yet", model_missing=True),
                                 core.HostNotReady("stuck in D state", wedged=True),
                             ]
                         )

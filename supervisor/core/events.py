@@ -27,6 +27,7 @@ class HostReady:
 class HostNotReady:
     message: str
     wedged: bool = False  # retrying cannot help (a process stuck in the driver)
+    model_missing: bool = False  # a model or draft model path is missing: state `waiting`
 
 
 @dataclass(frozen=True)

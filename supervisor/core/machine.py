@@ -15,45 +15,46 @@ ignored. An event of an earlier launch is always ignored. RSTR is shown with its
 still being stopped; once the child is gone the backoff timer moves it to CLEN.
 
 ```table
-                       STRT CLEN LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
-Start                  CLEN .    .    .    .    .    .    .    .    .    .    .
-HostReady              .    LNCH .    .    .    .    .    .    .    .    .    .
-HostNotReady           .    =    .    .    .    .    .    .    .    .    .    .
-HostNotReady wedged    .    FAIL .    .    .    .    .    .    .    .    .    .
-Launched               .    .    LOAD .    .    .    .    .    .    .    .    .
-LaunchFailed           .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-PortOpen               .    .    .    WARM .    .    .    .    .    .    .    .
-ReadyLine              .    .    .    WARM .    .    .    .    .    .    .    .
-FatalLog               .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
-ChildExited            .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
-ChildGone              .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
-ChildGone stuck        .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
-readiness ok           .    .    .    .    RDY  .    .    .    .    .    .    .
-readiness failed       .    .    .    .    RSTR .    .    .    .    .    .    .
-liveness ok            .    .    .    .    .    =    RDY  =    .    .    .    .
-liveness failed        .    .    .    .    .    DEGR =    =    .    .    .    .
-readiness mismatch     .    .    .    .    RSTR .    .    .    .    .    .    .
-readiness no canary    .    .    .    .    =    .    .    .    .    .    .    .
-liveness no canary     .    .    .    .    .    =    RDY  =    .    .    .    .
-liveness mismatch      .    .    .    .    .    =    RDY  =    .    .    .    .
-timer load_timeout     .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
-timer backoff          .    .    .    .    .    .    .    .    .    .    .    .
-timer liveness         .    .    .    .    .    =    =    =    .    .    .    .
-timer probe_retry      .    .    .    .    .    .    .    .    .    .    .    .
-timer clean_retry      .    =    .    .    .    .    .    .    .    .    .    .
-StopRequested          STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
-RestartRequested       .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
-ReloadRequested        =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead invalid     =    =    =    =    =    =    =    =    =    =    =    =
-ConfigRead unchanged   =    =    =    =    =    =    =    =    =    CLEN =    =
-ConfigRead changed     =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
-GpuUnfit               .    FAIL .    .    .    .    .    .    .    .    .    .
-GpuFault report        =    =    =    =    =    =    =    =    =    =    .    .
-GpuFault restart       =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
-DrainRequested         .    .    .    .    .    DRN  DRN  .    .    .    .    .
-UndrainRequested       .    .    .    .    .    .    .    RDY  .    .    .    .
-GroupEnded             .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
-SpecCollapsed fallback .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
+                           STRT CLEN WAIT LNCH LOAD WARM RDY  DEGR DRN  RSTR FAIL STPG STPD
+Start                      CLEN .    .    .    .    .    .    .    .    .    .    .    .
+HostReady                  .    LNCH LNCH .    .    .    .    .    .    .    .    .    .
+HostNotReady               .    =    CLEN .    .    .    .    .    .    .    .    .    .
+HostNotReady wedged        .    FAIL FAIL .    .    .    .    .    .    .    .    .    .
+HostNotReady model_missing .    WAIT =    .    .    .    .    .    .    .    .    .    .
+Launched                   .    .    .    LOAD .    .    .    .    .    .    .    .    .
+LaunchFailed               .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+PortOpen                   .    .    .    .    WARM .    .    .    .    .    .    .    .
+ReadyLine                  .    .    .    .    WARM .    .    .    .    .    .    .    .
+FatalLog                   .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    .    .
+ChildExited                .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+ChildGone                  .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR =    .    STPD .
+ChildGone stuck            .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR FAIL .    STPD .
+readiness ok               .    .    .    .    .    RDY  .    .    .    .    .    .    .
+readiness failed           .    .    .    .    .    RSTR .    .    .    .    .    .    .
+liveness ok                .    .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness failed            .    .    .    .    .    .    DEGR =    =    .    .    .    .
+readiness mismatch         .    .    .    .    .    RSTR .    .    .    .    .    .    .
+readiness no canary        .    .    .    .    .    =    .    .    .    .    .    .    .
+liveness no canary         .    .    .    .    .    .    =    RDY  =    .    .    .    .
+liveness mismatch          .    .    .    .    .    .    =    RDY  =    .    .    .    .
+timer load_timeout         .    .    .    RSTR RSTR RSTR .    .    .    .    .    .    .
+timer backoff              .    .    .    .    .    .    .    .    .    .    .    .    .
+timer liveness             .    .    .    .    .    .    =    =    =    .    .    .    .
+timer probe_retry          .    .    .    .    .    .    .    .    .    .    .    .    .
+timer clean_retry          .    =    =    .    .    .    .    .    .    .    .    .    .
+StopRequested              STPD STPD STPD STPG STPG STPG STPG STPG STPG STPG STPD =    .
+RestartRequested           .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    CLEN .    .
+ReloadRequested            =    =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead invalid         =    =    =    =    =    =    =    =    =    =    =    =    =
+ConfigRead unchanged       =    =    =    =    =    =    =    =    =    =    CLEN =    =
+ConfigRead changed         =    =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    CLEN =    =
+GpuUnfit                   .    FAIL FAIL .    .    .    .    .    .    .    .    .    .
+GpuFault report            =    =    =    =    =    =    =    =    =    =    =    .    .
+GpuFault restart           =    =    =    RSTR RSTR RSTR RSTR RSTR RSTR =    =    .    .
+DrainRequested             .    .    .    .    .    .    DRN  DRN  .    .    .    .    .
+UndrainRequested           .    .    .    .    .    .    .    .    RDY  .    .    .    .
+GroupEnded                 .    .    .    RSTR RSTR RSTR RSTR RSTR RSTR .    .    .    .
+SpecCollapsed fallback     .    .    .    .    .    .    RSTR RSTR RSTR .    .    .    .
 ```
 """
 
@@ -147,6 +148,7 @@ __all__ = [
     "EXTEND_BY_S",
     "EX_RESTART_BY_ORCHESTRATOR",
     "ILLEGAL",
+    "MODEL_MISSING",
     "PROBED",
     "PROBE_RETRY_DELAY",
     "SERVING",
@@ -211,6 +213,12 @@ __all__ = [
     "leader_ends",
     "watches_end",
 ]
+
+
+# The states whose next step is a cleaning's answer (HostReady, HostNotReady, GpuUnfit).
+HOST_CHECK = frozenset({State.CLEANING, State.WAITING})
+# The transition reason of `waiting`: a model or draft model path is missing.
+MODEL_MISSING = "model_missing"
 
 
 class Machine(ProbeRules, DrainRules):
@@ -280,18 +288,18 @@ class Machine(ProbeRules, DrainRules):
                 return [*self._to(State.CLEANING, "started", now), CleanHost()]
             case HostReady() | HostNotReady() if ctx.state is State.STOPPING and ctx.handing_over:
                 return self._handed_over(event, now)
-            case HostReady() if ctx.state is State.CLEANING:
+            case HostReady() if ctx.state in HOST_CHECK:
                 return self._launch(now)
-            case HostNotReady() if ctx.state is State.CLEANING:
+            case HostNotReady() if ctx.state in HOST_CHECK:
                 return self._host_not_ready(event, now)
-            case GpuUnfit() if ctx.state is State.CLEANING:
+            case GpuUnfit() if ctx.state in HOST_CHECK:
                 # Never launch onto a GPU that needs a reset, a reboot or a replacement: every
                 # relaunch would be another long load that fails. Only an operator can fix it.
                 ctx.host_message = event.line
                 return self._to(State.FAILED, "gpu_unfit", now, event.line)
             case GpuFault():
                 return self._gpu_fault(event, now)
-            case TimerFired(name=TimerName.CLEAN_RETRY) if ctx.state is State.CLEANING:
+            case TimerFired(name=TimerName.CLEAN_RETRY) if ctx.state in HOST_CHECK:
                 return [CleanHost()]
             case Launched() if self._current(event.launch) and ctx.state is State.LAUNCHING:
                 ctx.launched_at = now
@@ -367,10 +375,14 @@ class Machine(ProbeRules, DrainRules):
         rcfg = self.cfg.restart
         delay = min(max(rcfg.backoff_initial, 1.0) * 2**self.ctx.host_retries, rcfg.backoff_max)
         self.ctx.host_retries += 1
-        return [
-            Transitioned(State.CLEANING, State.CLEANING, "host_not_ready", event.message),
-            SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch),
-        ]
+        retry = SetTimer(TimerName.CLEAN_RETRY, delay, self.ctx.launch)
+        # A missing model (a mount not up yet) is `waiting`, said by its state and reason rather
+        # than a `cleaning` that names GPUs; it never counts towards the crash loop.
+        new = State.WAITING if event.model_missing else State.CLEANING
+        why = MODEL_MISSING if event.model_missing else "host_not_ready"
+        if new is not self.ctx.state:
+            return [*self._to(new, why, now, event.message), retry]
+        return [Transitioned(new, new, why, event.message), retry]
 
     def _gpu_fault(self, event: GpuFault, now: float) -> list[Action]:
         ctx = self.ctx
@@ -453,7 +465,7 @@ class Machine(ProbeRules, DrainRules):
                 *self._to(State.CLEANING, event.reason, now),
                 CleanHost(),
             ]
-        if ctx.state in (State.STARTING, State.CLEANING, State.RESTARTING):
+        if ctx.state in (State.STARTING, *HOST_CHECK, State.RESTARTING):
             return actions  # nothing runs yet (or a stop is already under way)
         return [*actions, *self._restart(event.reason, now, "requested")]
 

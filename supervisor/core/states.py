@@ -11,6 +11,9 @@ from enum import StrEnum
 class State(StrEnum):
     STARTING = "starting"
     CLEANING = "cleaning"
+    # The model or draft model directory is missing (a mount not up yet): checked again with
+    # the cleaning's backoff, never counted towards the crash loop (reason `model_missing`).
+    WAITING = "waiting"
     LAUNCHING = "launching"
     LOADING = "loading"
     WARMING = "warming"
@@ -54,7 +57,7 @@ PROBED = frozenset({*SERVING, State.DRAINING})
 CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *PROBED})
 # Still on the way to the first READY=1: systemd's start timeout is extended in these.
 STARTUP_STATES = frozenset(
-    {State.STARTING, State.CLEANING, State.LAUNCHING, State.LOADING, State.WARMING}
+    {State.STARTING, State.CLEANING, State.WAITING, State.LAUNCHING, State.LOADING, State.WARMING}
 )
 
 # Every edge the daemon may take. STOPPING is reachable from everywhere (SIGTERM at any time).
@@ -62,7 +65,10 @@ EDGES: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.CLEANING}),
     # CLEANING -> FAILED: a wedged GPU (a process stuck in the driver) cannot be cleaned, or a
     # GPU is unfit (it needs a reset, a reboot or a replacement: fitness.py).
-    State.CLEANING: frozenset({State.LAUNCHING, State.FAILED}),
+    State.CLEANING: frozenset({State.LAUNCHING, State.FAILED, State.WAITING}),
+    # WAITING -> LAUNCHING once the cleaning that checks again finds the model; -> CLEANING
+    # when what is in the way is something else; -> FAILED as from CLEANING.
+    State.WAITING: frozenset({State.LAUNCHING, State.CLEANING, State.FAILED}),
     # LAUNCHING -> RESTARTING: the exec itself failed, or a fatal line / manual restart.
     State.LAUNCHING: frozenset({State.LOADING, State.RESTARTING}),
     State.LOADING: frozenset({State.WARMING, State.RESTARTING}),

@@ -21,6 +21,7 @@ from supervisor.gpu.nvml import NvmlOpener, PynvmlNvml
 from supervisor.metrics import Metrics
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import RecordStore, owner_marker
+from supervisor.sglang.own_ports import OwnPorts
 
 
 @dataclass
@@ -36,12 +37,16 @@ class Effects:
     # The router link's own client, one per link (router.url set, or set by a reload): a router
     # that hangs must not hold the connections the probes need.
     router_http: Callable[[], httpx.AsyncClient] = lambda: httpx.AsyncClient(trust_env=False)
+    # The local addresses of `http`'s connections: SGLang's access lines for them go to debug.
+    own_ports: OwnPorts = field(default_factory=OwnPorts)
 
     @classmethod
     def real(cls, cfg: Config, open_nvml: NvmlOpener = PynvmlNvml) -> Effects:
+        own = OwnPorts()
         return cls(
             owner=ProcessOwner(owner_marker(cfg.state_dir)),
             store=RecordStore(cfg.state_dir),
-            http=httpx.AsyncClient(trust_env=False),
+            http=httpx.AsyncClient(trust_env=False, transport=own.transport()),
             open_nvml=open_nvml,
+            own_ports=own,
         )

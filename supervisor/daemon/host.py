@@ -100,7 +100,8 @@ async def clean(
             return HostNotReady(f"model path checks did not return within {limit} (hung mount?)")
         problems = preflight.failures(checks)
         if problems:
-            return HostNotReady(preflight.summary(problems))
+            missing = any(c.name in preflight.MODEL_CHECKS for c in problems)
+            return HostNotReady(preflight.summary(problems), model_missing=missing)
         fds = free_fds()
         if fds is not None and fds < FD_HEADROOM:
             # Spawning would fail with EMFILE and count as a crash; it is the host's problem (often

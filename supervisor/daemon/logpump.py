@@ -36,8 +36,11 @@ class LogPump:
         clock: Callable[[], float],
         emit: Callable[[Event], None],
         on_line: Callable[[str, float], None] | None = None,
+        own_request: Callable[[str], bool] = lambda line: False,
     ) -> None:
         self.metrics = metrics
+        # SGLang's access line for one of the daemon's own requests (OwnPorts.ours): debug.
+        self.own_request = own_request
         # Every line with the time it was read (the load timeline, recorder.line).
         self.on_line = on_line
         self.clock = clock
@@ -88,6 +91,8 @@ class LogPump:
             if tokens >= 1.0:
                 tokens -= 1.0
                 level = guess_level(line)
+                if level == "info" and self.own_request(line):
+                    level = "debug"
                 getattr(self.sglog, level)(line, source="sglang", stream=stream.value)
             else:
                 if not self._suppressed:

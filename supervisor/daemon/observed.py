@@ -8,16 +8,20 @@ Prometheus counter; /status reads them from there.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from supervisor import __version__, gpu, log
 from supervisor.config import Config
-from supervisor.core.downtime import Downtime
+from supervisor.core.downtime import REQUESTED, Downtime
 from supervisor.core.machine import (
+    MODEL_MISSING,
     Context,
     ProbeKind,
     RecordRestart,
@@ -32,6 +36,9 @@ from supervisor.process import Child
 from supervisor.router import RouterLink, unlinked_status
 from supervisor.sglang import intent
 from supervisor.sglang.probe import ProbeResult
+
+# A version is a short label value from a peer: anything else is not taken.
+VERSION_TEXT = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 
 if TYPE_CHECKING:
     from supervisor.daemon.group import Group
@@ -83,6 +90,8 @@ class Observed:
         self._launched_since_cleaning = True
         self.child: Child | None = None
         self.sglang_version = "unknown"
+        me = psutil.Process()
+        self.own_process = {"pid": me.pid, "create_time": me.create_time()}
         self.since_unix = wall()
         self.detail = ""
         self.reason = ""  # the last transition's reason: a code, never SGLang's text
@@ -139,7 +148,9 @@ class Observed:
             if self.last_restart is not None:
                 self.last_restart["downtime_s"] = round(down, 3)
         self._remember(t, now_unix)
-        level = {State.RESTARTING: "warning", State.FAILED: "error"}.get(t.new, "info")
+        level = {State.RESTARTING: "warning", State.WAITING: "warning", State.FAILED: "error"}.get(
+            t.new, "info"
+        )
         getattr(self.log, level)(
             "state",
             old=t.old.value,
@@ -187,6 +198,11 @@ class Observed:
             "log_tail": tail,
             "downtime_s": None,  # set once ready again (unrequested restarts only)
         }
+        if action.reason in REQUESTED:
+            # Asked for (manual, reload): not a failure, so not at error level, and without
+            # SGLang's last lines (`journalctl -p err` lists failures only; /status keeps them).
+            self.log.info("sglang restart", reason=action.reason.value, detail=action.detail)
+            return
         self.log.error(
             "sglang restart",
             reason=action.reason.value,
@@ -265,6 +281,11 @@ class Observed:
         if info is None:
             self.intent = {"checked": False, "mismatches": [], "error": "server_info unavailable"}
             return
+        # The running server's own version (http_server.py:888 in 0.5.23, docs/sglang.md) wins
+        # over the one preflight read from the interpreter: the stand-in, an upgrade since.
+        version = info.get("version")
+        if isinstance(version, str) and VERSION_TEXT.fullmatch(version):
+            self.sglang(version)
         self.metrics.mismatch.clear()
         for m in mismatches:
             self.metrics.mismatch.labels(m.arg).set(1)
@@ -323,6 +344,8 @@ class Observed:
             parts.append(f"- waiting for port {self.cfg.sglang.port}")
         elif state is State.WARMING:
             parts.append("- decode probe")
+        elif state is State.WAITING:
+            parts.append(f"- {MODEL_MISSING}, checked again with backoff")
         elif state in (State.READY, State.DEGRADED) and self.last_probe:
             parts.append(f"- probe {self.last_probe['latency_s'] * 1000:.0f} ms")
             if state is State.DEGRADED:
@@ -332,7 +355,7 @@ class Observed:
         degraded = [] if self.quality is None else self.quality.degraded()
         if degraded and state in (State.READY, State.DEGRADED, State.DRAINING):
             parts.append(f"- quality: {', '.join(degraded)}")
-        if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING):
+        if self.detail and state in (State.RESTARTING, State.FAILED, State.CLEANING, State.WAITING):
             parts.append(
                 f"- {self.reason} (detail: kimi-serve status)" if public else f"- {self.detail}"
             )
@@ -388,6 +411,9 @@ class Observed:
             "version": __version__,
             "sglang_version": self.sglang_version,
             "config": self.cfg.path,
+            # Whom `kimi-serve preflight` matches the SGLang port's holder against (its
+            # ancestry): this process, by PID and start time (preflight/serving.py).
+            "daemon_process": self.own_process,
             "child": None
             if child is None
             else {

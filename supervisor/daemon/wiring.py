@@ -89,7 +89,7 @@ def wire(cfg: Config, fx: Effects) -> Parts:
         recorder.line(text, mono_now)
         quality.line(text)
 
-    pump = LogPump(cfg, fx.metrics, fx.clock, emit, on_line=line)
+    pump = LogPump(cfg, fx.metrics, fx.clock, emit, on_line=line, own_request=fx.own_ports.ours)
     launcher = Launcher(
         cfg,
         machine.ctx,

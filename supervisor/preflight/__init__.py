@@ -21,6 +21,7 @@ daemon retries with backoff. docs/preflight.md explains every check and what to 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from typing import Any, TextIO
 
 from supervisor.config import PRIMARY, Config
 from supervisor.exits import EX_CONFIG, EXIT_HOST
+from supervisor.preflight import serving
 from supervisor.preflight.host import GpuCountUnavailable as GpuCountUnavailable
 from supervisor.preflight.host import check_caches as check_caches
 from supervisor.preflight.host import check_gpus as check_gpus
@@ -224,6 +226,7 @@ def run_checks(
     profiles: tuple[str, ...] | None = None,
     gpu_count: Callable[[], int] | None = None,
     parser_timeout: float = PARSER_TIMEOUT,
+    in_use: Callable[[int], Check | str] | None = None,
 ) -> list[Check]:
     """Every preflight check for the given profiles (default: primary and the fallback).
 
@@ -252,9 +255,13 @@ def run_checks(
         checks.extend(_parser_checks(cfg, specs, report))
 
     checks.extend(host_checks(cfg, specs, gpu_count))
-    checks.append(check_port(sg.host, sg.port))
+    checks.append(check_port(sg.host, sg.port, in_use))
     checks.append(check_caches(cfg))
     return checks
+
+
+# The checks of the model and draft model directories: failing, the daemon is `waiting`.
+MODEL_CHECKS = frozenset({"model_path", "draft_model_path"})
 
 
 def host_checks(
@@ -263,6 +270,7 @@ def host_checks(
     """Model and draft paths, GPU count: what the daemon re-checks before every launch."""
     sg = cfg.sglang
     checks = [check_model_path("model_path", sg.model_path, "sglang.model_path", sg.workdir)]
+    # Names from MODEL_CHECKS: a failure of either sends the daemon to `waiting`.
     drafts: dict[str, str] = {}
     for spec in specs:
         for flag in ("speculative-draft-model-path", "speculative-draft-model"):
@@ -317,8 +325,11 @@ def run_preflight_command(
     *,
     gpu_count: Callable[[], int] | None = None,
     open_nvml: Callable[[], Any] | None = None,
+    as_json: bool = False,
 ) -> int:
-    """The body of `kimi-serve preflight`: every check, one per line; 0 / 78 / 1."""
+    """The body of `kimi-serve preflight`: every check, one per line (or one JSON document);
+    0 / 78 / 1. A port held by the running daemon's own SGLang passes (serving.py): the host
+    is serving, and a restart frees the port before the next launch binds it."""
     if gpu_count is None:
         if open_nvml is None:
             from supervisor.gpu.nvml import PynvmlNvml
@@ -327,18 +338,36 @@ def run_preflight_command(
         gpu_count = nvml_gpu_count(cfg, open_nvml)
     counter = gpu_count
     start = time.monotonic()
-    checks = run_checks(cfg, gpu_count=counter)
-    profiles = ", ".join(default_profiles(cfg))
-    print(f"kimi-serve preflight: {cfg.path} (profiles: {profiles})", file=out)
-    for check in checks:
-        print(check.render(), file=out)
+    checks = run_checks(cfg, gpu_count=counter, in_use=lambda port: serving.recognise(cfg, port))
     code = exit_code(checks)
     verdict = {
         0: "ok: the launch can go ahead",
         EX_CONFIG: "config problem: fix the config (a restart will not help)",
         EXIT_HOST: "host not ready: `kimi-serve run` would wait and retry",
     }[code]
+    is_serving = any(c.serving for c in checks)
+    if code == 0 and is_serving:
+        verdict = "serving: kimi-serve runs SGLang here; a restart can go ahead"
+    seconds = time.monotonic() - start
+    if as_json:
+        doc = {
+            "config": cfg.path,
+            "profiles": list(default_profiles(cfg)),
+            "exit_code": code,
+            "verdict": verdict,
+            "serving": is_serving,
+            "seconds": round(seconds, 3),
+            "checks": [c.as_dict() for c in checks],
+        }
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+        out.flush()
+        return code
+    profiles = ", ".join(default_profiles(cfg))
+    print(f"kimi-serve preflight: {cfg.path} (profiles: {profiles})", file=out)
+    for check in checks:
+        print(check.render(), file=out)
     counts = f"{len(failures(checks))} failed, {sum(c.warning for c in checks)} warning(s)"
-    print(f"{verdict} ({len(checks)} checks, {counts}, {time.monotonic() - start:.1f} s)", file=out)
+    print(f"{verdict} ({len(checks)} checks, {counts}, {seconds:.1f} s)", file=out)
     out.flush()
     return code

@@ -55,9 +55,11 @@ def check_interpreter(python: str) -> Check:
     return Check(name, True, CONFIG, python)
 
 
-def check_port(host: str, port: int) -> Check:
+def check_port(host: str, port: int, in_use: Callable[[int], Check | str] | None = None) -> Check:
     """Bind host:port the way SGLang's HTTP server will (SO_REUSEADDR, as uvicorn sets it, so
-    a socket in TIME_WAIT is not mistaken for a busy port)."""
+    a socket in TIME_WAIT is not mistaken for a busy port). A port in use is given to `in_use`
+    (`kimi-serve preflight`: is it the running daemon's own SGLang? serving.py), which answers
+    with the check, or with why the holder is not known to be ours."""
     name, where = "port", f"{host}:{port}"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -76,6 +78,9 @@ def check_port(host: str, port: int) -> Check:
             sock.bind(sockaddr)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
+            known = in_use(port) if in_use is not None else ""
+            if isinstance(known, Check):
+                return known
             return Check(
                 name,
                 False,
@@ -83,7 +88,8 @@ def check_port(host: str, port: int) -> Check:
                 f"{where} is in use{_holder(port)}",
                 "SGLang binds its port only after the model has loaded, so this would fail the "
                 "launch ten minutes in. A leftover SGLang? `kimi-serve gpu-clean --dry-run`; "
-                f"or `ss -ltnp 'sport = :{port}'`",
+                f"or `ss -ltnp 'sport = :{port}'`"
+                + (f"\nnot kimi-serve's own: {known}" if known else ""),
             )
         if exc.errno == errno.EACCES:
             return Check(

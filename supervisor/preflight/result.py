@@ -33,6 +33,7 @@ class Check:
     hint: str = ""
     warning: bool = False
     skipped: bool = False
+    serving: bool = False  # the port is held by the running daemon's own SGLang (serving.py)
 
     @property
     def status(self) -> str:

@@ -73,6 +73,15 @@ def test_live_scrape_has_every_contract_metric(live_scrape: str) -> None:
     assert 'kimi_serve_restarts_total{reason="exited"} 1.0' in live_scrape
 
 
+def test_live_scrape_names_the_running_sglang_and_every_state(live_scrape: str) -> None:
+    # The version the server itself reports in /server_info (the stand-in's), not `unknown`:
+    # the configured module is not SGLang, so preflight could not read one.
+    assert 'sglang_version="0.5.23-standin"' in live_scrape
+    assert 'sglang_version="unknown"' not in live_scrape
+    # Every state's series exists, `waiting` included, at 0 while ready.
+    assert 'kimi_serve_state{state="waiting"} 0.0' in live_scrape
+
+
 def test_live_scrape_has_the_quality_and_downtime_series(live_scrape: str) -> None:
     # The alerts read these from the first scrape: a degraded reason at 0, not absent, and the
     # downtime histogram before any restart has been measured.

@@ -147,6 +147,43 @@ def _cleaning_failed() -> Any:
     ]
 
 
+MISSING = "sglang.model_path /shared/kimi-k2.5-int4 does not exist"
+
+
+def _cleaning_waiting() -> Any:
+    d = Drive().cleaning()
+    return d.send(HostNotReady(MISSING, model_missing=True)), [
+        Transitioned(State.CLEANING, State.WAITING, "model_missing", MISSING),
+        SetTimer(TimerName.CLEAN_RETRY, 5.0, 0),
+    ]
+
+
+def _waiting_launching() -> Any:
+    d = Drive().waiting()
+    d.send(TimerFired(TimerName.CLEAN_RETRY, 0), after=5)
+    return d.send(HostReady()), [
+        Transitioned(State.WAITING, State.LAUNCHING, "host_ready", "profile primary"),
+        Launch(1, PRIMARY),
+    ]
+
+
+def _waiting_cleaning() -> Any:
+    d = Drive().waiting()
+    busy = "127.0.0.1:30000 is in use (sglang.port)"
+    return d.send(HostNotReady(busy)), [
+        Transitioned(State.WAITING, State.CLEANING, "host_not_ready", busy),
+        SetTimer(TimerName.CLEAN_RETRY, 10.0, 0),
+    ]
+
+
+def _waiting_failed() -> Any:
+    d = Drive().waiting()
+    msg = "process 77 survives SIGKILL (D state)"
+    return d.send(HostNotReady(msg, wedged=True)), [
+        Transitioned(State.WAITING, State.FAILED, "gpu_wedged", msg)
+    ]
+
+
 def _launching_loading() -> Any:
     d = Drive().launching()
     return d.send(Launched(1, PID)), [
@@ -320,6 +357,11 @@ EDGE_CASES: dict[tuple[State, State], Callable[[], Any]] = {
     (State.CLEANING, State.LAUNCHING): _cleaning_launching,
     (State.CLEANING, State.FAILED): _cleaning_failed,
     (State.CLEANING, State.STOPPING): _stop_no_child(Drive.cleaning, State.CLEANING),
+    (State.CLEANING, State.WAITING): _cleaning_waiting,
+    (State.WAITING, State.LAUNCHING): _waiting_launching,
+    (State.WAITING, State.CLEANING): _waiting_cleaning,
+    (State.WAITING, State.FAILED): _waiting_failed,
+    (State.WAITING, State.STOPPING): _stop_no_child(Drive.waiting, State.WAITING),
     (State.LAUNCHING, State.LOADING): _launching_loading,
     (State.LAUNCHING, State.RESTARTING): _launching_restarting,
     (State.LAUNCHING, State.STOPPING): _stop_with_child(Drive.launching, State.LAUNCHING),
@@ -1035,6 +1077,30 @@ def test_host_not_ready_wedged_fails() -> None:
     assert not of(SetTimer, actions)
 
 
+def test_a_missing_model_waits_and_retries_outside_the_crash_loop() -> None:
+    # A mount that comes late: retried with the cleaning's own backoff for as long as it takes,
+    # one state (`waiting`, reason model_missing), and no restart counted.
+    d = Drive(make_cfg(max_restarts=1, backoff_max="20s")).waiting()
+    delays = []
+    for _ in range(6):
+        assert d.send(TimerFired(TimerName.CLEAN_RETRY, 0), after=60) == [CleanHost()]
+        actions = d.send(HostNotReady(MISSING, model_missing=True))
+        assert actions[0] == Transitioned(State.WAITING, State.WAITING, "model_missing", MISSING)
+        delays.append(of(SetTimer, actions)[0].delay)
+    assert delays == [10.0, 20.0, 20.0, 20.0, 20.0, 20.0]
+    assert not d.m.ctx.restarts and d.m.ctx.host_message == MISSING
+    assert not of(RecordRestart, actions)
+    d.send(TimerFired(TimerName.CLEAN_RETRY, 0), after=20)
+    assert transitions(d.send(HostReady())) == [(State.WAITING, State.LAUNCHING)]
+    assert d.m.ctx.host_retries == 0
+
+
+def test_waiting_ignores_a_restart_request_and_extends_the_start_job() -> None:
+    d = Drive().waiting()
+    assert d.send(RestartRequested(Reason.MANUAL)) == []
+    assert d.m.job_extension() is not None
+
+
 def test_clean_retry_outside_cleaning_is_ignored() -> None:
     d = Drive().ready()
     assert d.send(TimerFired(TimerName.CLEAN_RETRY, 1)) == []
@@ -1046,6 +1112,7 @@ def test_clean_retry_outside_cleaning_is_ignored() -> None:
 STOP_PATHS: dict[str, tuple[Callable[[Drive], Drive], bool]] = {
     "starting": (lambda d: d, False),
     "cleaning": (Drive.cleaning, False),
+    "waiting": (Drive.waiting, False),
     "launching": (Drive.launching, True),
     "loading": (Drive.loading, True),
     "warming": (Drive.warming, True),
@@ -1288,7 +1355,7 @@ def _any_event(data: Any, m: Machine) -> Event:
         case "host_ready":
             return HostReady()
         case "host_not_ready":
-            return HostNotReady("busy", data.draw(st.booleans()))
+            return HostNotReady("busy", data.draw(st.booleans()), data.draw(st.booleans()))
         case "launched":
             return Launched(launch, PID)
         case "launch_failed":

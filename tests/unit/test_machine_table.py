@@ -60,6 +60,7 @@ def _with(d: Drive, cfg: Config) -> bool:
 SHORT = {
     State.STARTING: "STRT",
     State.CLEANING: "CLEN",
+    State.WAITING: "WAIT",
     State.LAUNCHING: "LNCH",
     State.LOADING: "LOAD",
     State.WARMING: "WARM",
@@ -74,6 +75,7 @@ SHORT = {
 PATHS: dict[State, Callable[[Drive], Drive]] = {
     State.STARTING: lambda d: d,
     State.CLEANING: Drive.cleaning,
+    State.WAITING: Drive.waiting,
     State.LAUNCHING: Drive.launching,
     State.LOADING: Drive.loading,
     State.WARMING: Drive.warming,
@@ -100,6 +102,7 @@ ROWS: dict[str, Callable[[Drive], Event]] = {
     "HostReady": lambda d: HostReady(),
     "HostNotReady": lambda d: HostNotReady("port busy"),
     "HostNotReady wedged": lambda d: HostNotReady("D state", wedged=True),
+    "HostNotReady model_missing": lambda d: HostNotReady("no model", model_missing=True),
     "Launched": lambda d: Launched(d.launch, PID),
     "LaunchFailed": lambda d: LaunchFailed(d.launch, "no such file"),
     "PortOpen": lambda d: PortOpen(d.launch),
