@@ -122,6 +122,13 @@ class ListWatch:
                 return at
         return None
 
+    def first_listed_after(self, url: str, since: float) -> float | None:
+        """The first poll at or after `since` that listed `url`."""
+        for at, urls in self.history:
+            if at >= since and url.rstrip("/") in urls:
+                return at
+        return None
+
     def last_listed(self, url: str) -> float | None:
         seen = [at for at, urls in self.history if url.rstrip("/") in urls]
         return seen[-1] if seen else None

@@ -1,8 +1,12 @@
 """Two real SGLang 0.5.23 servers, each run by the real `kimi-serve run` with `router.url` set,
-behind the real sglang-router: a manual restart of one fails no request and cuts no stream.
+behind the real sglang-router 0.3.2 and then, moved by a reload that keeps SGLang running,
+behind the real SMG 1.13 (with docs/fleet.md's flags): behind each, a manual restart of one
+fails no request and cuts no stream. What only a real server shows: SMG adds a relaunched
+SGLang once its own /health passes, which real SGLang holds at 503 until its warm-up request
+is done, after kimi-serve's decode probe; the time from `ready` to listed is printed.
 
-Both servers start at once (each takes 20-60 s on two cores); the load generator sends plain
-and streaming requests through the router for the whole test.
+Both servers start at once (each takes 20-60 s on two cores) and serve both routers; the load
+generator sends plain and streaming requests through the router for the whole test.
 
 Both replicas share this host's two cores, which a fleet never does: while B's SGLang loads
 (tens of seconds at full CPU), A's 8-token liveness probe can outlast the suite's usual 5 s
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,12 +36,12 @@ from bench.loadgen import LoadGenerator
 from testkit import realsglang as real
 from testkit.fleet import ListWatch, event_time, registered
 from testkit.realsglang import LOAD_TIMEOUT, Real, daemon_config, real_daemon
-from testkit.router import RouterProcess, router_available
+from testkit.router import SMG, SMG_FLEET_FLAGS, RouterProcess, router_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not router_available():
-    pytest.skip("sglang-router is not installed", allow_module_level=True)
+if not router_available() or not router_available(SMG):
+    pytest.skip("sglang-router or smg is not installed", allow_module_level=True)
 
 LIVENESS = {"interval": "2s", "timeout": "20s", "failure_threshold": 3}
 
@@ -59,11 +64,27 @@ def fleet(tmp: Path, sgl: real.SGLangEnv, router: RouterProcess) -> Iterator[tup
         yield pair[0], pair[1]
 
 
-async def until_registered(r: Real, timeout: float) -> None:
-    await asyncio.to_thread(r.wait_ready, timeout)
+async def until_registered(r: Real, timeout: float) -> float:
+    """Waits for `ready`, then for the link to say registered; returns when it was ready."""
+    ready = await asyncio.to_thread(r.wait_ready, timeout)
+    await until_linked(r)
+    return event_time(ready)
+
+
+async def until_linked(r: Real, router_url: str | None = None) -> None:
+    """Registered (with `router_url`, where given: a reload moves the link on its own time)."""
+
+    def linked() -> bool:
+        status = r.d.status().get("router") or {}
+        return registered(r.d) and router_url in (None, status.get("url"))
+
     deadline = asyncio.get_running_loop().time() + 30
-    while not await asyncio.to_thread(registered, r.d):
-        assert asyncio.get_running_loop().time() < deadline, "not registered within 30 s"
+    while not await asyncio.to_thread(linked):
+        if asyncio.get_running_loop().time() > deadline:
+            lines = [x for x in r.d.raw if '"source": "sglang"' not in x]
+            raise AssertionError(
+                f"not registered within 30 s: {r.d.status()['router']}, {lines[-15:]}"
+            )
         await asyncio.sleep(0.1)
 
 
@@ -106,37 +127,70 @@ def liveness_latencies(r: Real) -> dict[str, float]:
     return {k: v for k, v in out.items() if v}
 
 
-async def test_manual_restart_behind_the_router_fails_nothing(
+async def restart_b_under_load(
+    router: RouterProcess, a: Real, b: Real, watch: ListWatch
+) -> tuple[dict[str, Any], float]:
+    """`POST /restart` of B with plain and streaming load through `router`: what the users
+    saw, and B's relaunch from `ready` to listed by the router."""
+    load = await LoadGenerator(
+        router.url, concurrency=2, stream_every=2, max_new_tokens=8, timeout=120
+    ).start()
+    try:
+        await load.wait_for(6, timeout=120)
+        since = load.mark("restart")
+        assert b.d.post("/restart").status_code == 202
+        await asyncio.to_thread(b.d.wait_state, "restarting", 30)
+        ready = await until_registered(b, 2 * LOAD_TIMEOUT)
+        await load.wait_for(len(load.outcomes) + 6, timeout=120)
+    finally:
+        stats = await load.stop()
+    story = timeline(since, load, watch, {"a": a, "b": b})
+    listed = watch.first_listed_after(b.sglang_url, ready)
+    a_states = a.d.states()
+    during = load.stats(since=since)
+    print(f"\n[realsglang] {router.kind} restart: {stats.to_dict()} during: {during.to_dict()}")
+    print(f"[realsglang] A's liveness probes (cumulative): {liveness_latencies(a)}")
+    assert listed is not None, story
+    print(f"[realsglang] {router.kind}: B ready -> listed {listed - ready:.2f}s")
+    context: dict[str, Any] = {"stats": stats.to_dict(), "router log": router.log_tail(30)}
+    assert during.sent > 0 and stats.streams > 0, context
+    assert a_states[-1] == "ready" and "degraded" not in a_states, (a_states, story)
+    assert stats.failed == 0 and stats.streams_cut == 0, (context, story)
+    return context, listed - ready
+
+
+async def test_manual_restart_behind_either_router_fails_nothing(
     sgl: real.SGLangEnv, tmp_path: Path
 ) -> None:
-    router = RouterProcess(["--policy", "round_robin"]).start()
-    watch = ListWatch(router.url, interval=0.1)
+    legacy = RouterProcess(["--policy", "round_robin"]).start()
+    smg = RouterProcess([*SMG_FLEET_FLAGS, "--policy", "round_robin"], kind=SMG).start()
     try:
-        with watch, fleet(tmp_path, sgl, router) as (a, b):
+        with fleet(tmp_path, sgl, legacy) as (a, b):
             await asyncio.gather(
                 until_registered(a, 2 * LOAD_TIMEOUT), until_registered(b, 2 * LOAD_TIMEOUT)
             )
-            load = await LoadGenerator(
-                router.url, concurrency=2, stream_every=2, max_new_tokens=8, timeout=120
-            ).start()
-            try:
-                await load.wait_for(6, timeout=120)
-                since = load.mark("restart")
-                assert b.d.post("/restart").status_code == 202
-                await asyncio.to_thread(b.d.wait_state, "restarting", 30)
-                await until_registered(b, 2 * LOAD_TIMEOUT)
-                await load.wait_for(len(load.outcomes) + 6, timeout=120)
-            finally:
-                stats = await load.stop()
-            story = timeline(since, load, watch, {"a": a, "b": b})
-            a_states = a.d.states()
-            latencies = liveness_latencies(a)
-        during = load.stats(since=since)
-        print(f"\n[realsglang] fleet restart: {stats.to_dict()} during: {during.to_dict()}")
-        print(f"[realsglang] A's liveness probes (cumulative): {latencies}")
-        context: dict[str, Any] = {"stats": stats.to_dict(), "router log": router.log_tail(30)}
-        assert during.sent > 0 and stats.streams > 0, context
-        assert a_states[-1] == "ready" and "degraded" not in a_states, (a_states, story)
-        assert stats.failed == 0 and stats.streams_cut == 0, (context, story)
+            with ListWatch(legacy.url, interval=0.1) as watch:
+                await restart_b_under_load(legacy, a, b, watch)
+
+            # Both replicas to SMG: a reload that changes only `router:` keeps SGLang running.
+            for r in (a, b):
+                r.rewrite(lambda cfg: cfg["router"].update(url=smg.url))
+                r.d.signal(signal.SIGHUP)
+                moved = await asyncio.to_thread(
+                    r.d.wait_for, lambda e: e.get("event") == "router: moved", 30, "moved"
+                )
+                assert moved["url"] == smg.url, moved
+            await asyncio.gather(until_linked(a, smg.url), until_linked(b, smg.url))
+            assert {a.sglang_url, b.sglang_url} <= set(smg.urls())
+            assert not {a.sglang_url, b.sglang_url} & set(legacy.urls())
+            with ListWatch(smg.url, interval=0.1) as watch:
+                context, listed_s = await restart_b_under_load(smg, a, b, watch)
+            # A relaunch is listed once SMG's add job saw its /health pass: polled every
+            # second with --worker-startup-check-interval 1 (its default, 30 s, would be
+            # one more poll interval of waiting when the first one fails).
+            assert listed_s < 15, context
+            for r in (a, b):
+                assert r.d.status()["router"]["last_error"] is None, r.d.status()["router"]
     finally:
-        router.cleanup()
+        legacy.cleanup()
+        smg.cleanup()
