@@ -319,9 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
     p.add_argument("--token-file", metavar="FILE", help=token_help)
+    from supervisor.admin import reexec_command
     from supervisor.admin.control_commands import WHAT
 
-    for name, timeout in (("restart", 10.0), ("drain", 600.0), ("undrain", 30.0)):
+    WHAT = {**WHAT, "reexec": reexec_command.WHAT}
+    operations = (("restart", 10.0), ("drain", 600.0), ("undrain", 30.0))
+    for name, timeout in (*operations, ("reexec", reexec_command.TIMEOUT_S)):
         p = add(name, cmd_operation, WHAT[name])
         p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
         p.add_argument("--token-file", metavar="FILE", help=token_help)
@@ -332,9 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help=f"how long to wait for the answer (default {timeout:g})",
         )
-    from supervisor.admin import reexec_command
-
-    reexec_command.register(add, cmd_operation, token_help)
     p = add(
         "incidents",
         cmd_incidents,
