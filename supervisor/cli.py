@@ -378,8 +378,6 @@ EXITS = {
     "address held by another user), 77 the token file is not a usable token file, 78 bad config",
     "incidents": "exit status: 0, 1 unknown or ambiguous ID, 2 show without an ID, 78 bad config",
     "canary": "exit status: 0, 1 nothing to show or accept, 78 bad config",
-    "reexec": "exit status: 0 accepted, 1 refused (not serving), 4 unreachable, 5 the admin "
-    "address held by another user, 77 token unreadable or rejected, 78 bad config",
     "demo": "exit status: 0 on Ctrl-C or after --duration",
 }
 
@@ -431,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
         p.add_argument("--token-file", metavar="FILE", help=token_help)
         p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
-        if name != "drain":
+        if name in ("restart", "undrain"):
             p.add_argument(
                 "--wait",
                 action="store_true",
@@ -445,12 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="D",
             help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
             "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
-            if name != "drain"
+            if name in ("restart", "undrain")
             else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
         )
-    from supervisor.admin import reexec_command
-
-    reexec_command.register(add, cmd_operation, token_help)
     p = add(
         "incidents",
         cmd_incidents,

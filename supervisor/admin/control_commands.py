@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from supervisor import secret_files as admin_token
 from supervisor.admin import client as adminclient
+from supervisor.admin import reexec_command
 from supervisor.admin import wait as waiting
 from supervisor.admin.status_command import router_lines
 from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
@@ -27,6 +28,7 @@ WHAT = {
     "restart": "restart SGLang (reason manual); the relaunch takes as long as a model load",
     "drain": "deregister from the router and wait for in-flight requests; SGLang keeps running",
     "undrain": "register with the router again after a drain",
+    "reexec": reexec_command.WHAT,
 }
 
 
@@ -39,7 +41,12 @@ def read_token(path: str, command: str, err: TextIO) -> str | None:
 
 
 # How long each request waits for the daemon's answer by default (drain: the drain itself).
-ANSWER_TIMEOUT = {"restart": 10.0, "drain": 600.0, "undrain": 30.0}
+ANSWER_TIMEOUT = {
+    "restart": 10.0,
+    "drain": 600.0,
+    "undrain": 30.0,
+    "reexec": reexec_command.TIMEOUT_S,
+}
 
 EPILOG = {
     "restart": "exit status: 0 accepted (with --wait: ready on the primary profile), 1 refused "
@@ -53,6 +60,8 @@ EPILOG = {
     "failed, 3 not ready when --timeout ran out, 4 unreachable, 5 the admin address held by "
     "another user, 77 token unreadable or rejected, 78 bad config; with --wait also 6 ready "
     "on the fallback profile, 7 on the rolled-back last known good",
+    "reexec": "exit status: 0 accepted, 1 refused (not serving), 4 unreachable, 5 the admin "
+    "address held by another user, 77 token unreadable or rejected, 78 bad config",
 }
 
 
@@ -167,6 +176,11 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
 
 def render_answer(command: str, http_status: int, doc: dict[str, Any]) -> str:
     """The daemon's answer in the style of `kimi-serve status`."""
+    if command == "reexec":
+        return (
+            "reexec accepted: the daemon hands over to a fresh exec of the installed kimi-serve "
+            "(same PID); SGLang keeps serving. Follow it with `kimi-serve status` (Daemon: line)"
+        )
     if command == "restart":
         launch = doc.get("launch")
         which = f"launch {launch}" if isinstance(launch, int) else "a new launch"

@@ -134,11 +134,16 @@ def test_package_contents(deb: Path) -> None:
 
     # Only the config is a conffile.
     assert scripts["conffiles"].split() == [CONFIG]
-    # Neither enabled nor started on install; try-restart (only if running) on upgrade.
+    # Neither enabled nor started on install; on upgrade a running daemon hands over
+    # (`kimi-serve reexec`), try-restarted (only if running) where it cannot, before
+    # debhelper's own snippet, which neither restarts nor stops it.
     postinst = scripts["postinst"]
     assert "was-enabled" in postinst  # `deb-systemd-helper enable` only if it was enabled
     assert re.search(r"deb-systemd-invoke (start|restart) ", postinst) is None
-    assert "deb-systemd-invoke try-restart 'kimi-serve.service'" in postinst
+    ours, _, debhelper = postinst.partition("# Automatically added by dh_installsystemd")
+    assert "/usr/bin/kimi-serve reexec" in ours
+    assert 'deb-systemd-invoke try-restart "$unit"' in ours
+    assert "try-restart" not in debhelper
     assert "systemd-sysusers" in postinst and "kimi-serve.conf" in postinst
     assert "deb-systemd-invoke stop kimi-serve.service" in scripts["prerm"]
     assert "preinst" not in scripts  # no stop before an upgrade: try-restart after it
@@ -279,15 +284,20 @@ def test_install_start_upgrade_stop_remove_purge(deb: Path, deb_box: Box, tmp_pa
     assert sglang and sglang[0].split()[1] == f"{VENV}/bin/python", _kimi_processes(box)
     assert ok(box, "stat", "-c", "%U %a", "/var/lib/kimi-serve").split() == ["kimi", "750"]
 
-    # -- upgrade in place: the edited conffile stays, the running daemon is restarted ----------
-    ok(box, "dpkg", "-i", "--force-confold", str(package))
+    # -- upgrade in place: the edited conffile stays, the running daemon hands over ------------
+    upgraded = ok(box, "dpkg", "-i", "--force-confold", str(package))
+    assert "handed over to the new version" in upgraded, upgraded
     assert ok(box, "cat", CONFIG) == site_config
     leftovers = in_box(box, "sh", "-c", "ls /etc/kimi-serve/*.dpkg-* 2>/dev/null").stdout
     assert leftovers == "", leftovers
     after_upgrade = _show(box, "ActiveState", "MainPID")
     assert after_upgrade["ActiveState"] == "active"
-    assert after_upgrade["MainPID"] != main, "the upgrade did not restart the running daemon"
+    assert after_upgrade["MainPID"] == main, "the upgrade restarted the daemon"
+    # SGLang was adopted by the new code, not relaunched.
+    assert next(p for p in _kimi_processes(box) if "-m supervisor.standin " in p) == sglang[0]
     _ready(box)
+    journal = box.journal(UNIT)
+    assert "hand-over complete" in journal, journal[-3000:]
 
     # -- stop: nothing left ------------------------------------------------------------------
     stop = box.systemctl("stop", UNIT, timeout=120)
