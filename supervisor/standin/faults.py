@@ -73,7 +73,8 @@ class Settings:
     # SGLang's crash path (py-spy dump, CUDA coredump) takes about 65 s before the exit.
     crash_sleep_seconds: float = 65.0
     orphan_lifetime: float = 600.0
-    hang_after_decodes: int = 1
+    # The readiness probe and the canary that rides it answer; every later decode hangs.
+    hang_after_decodes: int = 2
     hang_min_tokens: int = 0  # decode-hang spares shorter requests (an 8-token probe)
     # SGLang's own variables, honoured with SGLang's defaults (http_server.py,
     # tokenizer_manager.py sigterm_watchdog).

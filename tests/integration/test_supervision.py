@@ -123,14 +123,15 @@ def test_hang_after_ready_is_liveness_failed(tmp_path: Path) -> None:
 
 
 def test_busy_server_is_not_restarted(tmp_path: Path) -> None:
-    # Every decode after the first takes 30 s while the token counter advances: busy.
+    # Every decode after the readiness probe and its canary takes 30 s while the token counter
+    # advances: busy.
     cfg = base_config(
         tmp_path,
         sglang=fault(
             "slow-decode",
             launch=None,
             STANDIN_SLOW_DECODE_SECONDS="30",
-            STANDIN_SLOW_AFTER_DECODES="1",
+            STANDIN_SLOW_AFTER_DECODES="2",
         ),
     )
     with running(tmp_path, cfg) as d:

@@ -64,7 +64,9 @@ def test_decode_hang_is_never_ready(tmp_path: Path) -> None:
     # The probe answers, then every decode hangs: the canary first, then the probes.
     cfg = base_config(
         tmp_path,
-        sglang=_env(STANDIN_FAULT="decode-hang", STANDIN_FAULT_LAUNCH="1"),
+        sglang=_env(
+            STANDIN_FAULT="decode-hang", STANDIN_HANG_AFTER_DECODES="1", STANDIN_FAULT_LAUNCH="1"
+        ),
         readiness={"probe": {"timeout": "1s"}},
     )
     with running(tmp_path, cfg) as d:

@@ -118,7 +118,7 @@ def test_defaults() -> None:
     s = from_environ({}, launch=1)
     assert s == Settings()
     assert (s.load_seconds, s.seconds_per_token, s.crash_sleep_seconds) == (2.0, 0.002, 65.0)
-    assert (s.flood_lines, s.exit_code, s.hang_after_decodes) == (200_000, 1, 1)
+    assert (s.flood_lines, s.exit_code, s.hang_after_decodes) == (200_000, 1, 2)
 
 
 def test_fault_list_is_parsed_and_checked() -> None:
