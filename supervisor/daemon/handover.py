@@ -387,6 +387,42 @@ def take() -> Inherited | None:
     return Inherited(doc, _admin_socket(doc.get("admin_fd")))
 
 
+def abandon(why: str, *, grace: float = 30.0) -> list[int]:
+    """The new daemon cannot start after a hand-over (its config or token file is refused:
+    exit 78): nobody would own the inherited SGLang, so it is stopped rather than orphaned.
+    Only the processes the state names that are still the same ones (pid and start time) are
+    signalled: SIGTERM, then SIGKILL after `grace`. Returns the pids signalled (none without a
+    state of ours)."""
+    got = take()
+    if got is None:
+        return []
+    child = got.doc.get("child")
+    named: list[Any] = []
+    if isinstance(child, dict):
+        named = [[child.get("pid"), child.get("create_time")], *(child.get("known") or [])]
+    procs = []
+    for entry in named:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            continue
+        pid, created = entry
+        if isinstance(pid, int) and isinstance(created, int | float):
+            proc = live_process(ProcessIdentity(pid, float(created)))
+            if proc is not None and proc not in procs:
+                procs.append(proc)
+    log.get().error(
+        "hand-over abandoned: stopping the inherited SGLang", why=why, pids=[p.pid for p in procs]
+    )
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return [p.pid for p in procs]
+
+
 def _admin_socket(fd: Any) -> socket.socket | None:
     if not isinstance(fd, int) or fd < 0:
         return None

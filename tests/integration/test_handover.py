@@ -97,6 +97,22 @@ def test_a_stop_during_the_exec_waits_for_the_new_daemon_and_is_clean(tmp_path: 
         assert not wait_gone(procs, timeout=5), "SGLang outlived the daemon"
 
 
+def test_a_new_daemon_that_cannot_start_stops_sglang_instead_of_orphaning_it(
+    tmp_path: Path,
+) -> None:
+    # The config was broken before the exec: the new daemon exits 78 as a start would, and
+    # the SGLang it inherited, which nobody would own any more, is stopped with it.
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        procs = [psutil.Process(p) for p in d.status()["child"]["processes"]]
+        d.config_path.write_text("sglang: [not, a, mapping\n")
+        assert d.post("/reexec").status_code == 202
+        assert d.proc.wait(60) == 78
+        assert not wait_gone(procs, timeout=10), "SGLang outlived the daemon"
+        assert any("hand-over abandoned" in line for line in d.raw), d.raw[-10:]
+
+
 def test_reexec_is_refused_while_loading(tmp_path: Path) -> None:
     cfg = base_config(tmp_path, sglang={"env": {"STANDIN_LOAD_SECONDS": "30"}})
     with running(tmp_path, cfg) as d:
