@@ -94,8 +94,7 @@ def test_sglang_port_taken_waits_in_cleaning_and_launches_once_freed(tmp_path: P
                 # What `systemctl status` shows (any local user reads it) names the reason and
                 # where the detail is, not the detail itself (docs/security.md).
                 assert any(
-                    "host_not_ready (detail: kimi-serve status)" in s
-                    for s in run.notify.statuses()
+                    "host_not_ready (detail: kimi-serve status)" in s for s in run.notify.statuses()
                 ), run.notify.statuses()
                 assert "launching" not in run.d.states()
                 holder.__exit__(None, None, None)
