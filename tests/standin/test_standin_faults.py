@@ -83,7 +83,7 @@ def test_decode_zero_tokens(launch: Launcher) -> None:
 
 
 def test_decode_hang_after_the_first_decode(launch: Launcher) -> None:
-    s = launch(env={"STANDIN_FAULT": "decode-hang"})
+    s = launch(env={"STANDIN_FAULT": "decode-hang", "STANDIN_HANG_AFTER_DECODES": "1"})
     assert s.generate().json()["meta_info"]["completion_tokens"] == 8  # the readiness probe
     with pytest.raises(httpx.ReadTimeout):
         s.generate(timeout=0.5)
@@ -237,3 +237,15 @@ def test_force_shutdown_cuts_a_hung_drain_short(launch: Launcher) -> None:
     s.signal(signal.SIGTERM)
     assert s.wait_exit() == 0
     s.wait_line("Signal SIGTERM received while force shutdown flag set. Force exiting.")
+
+
+def test_decode_hang_spares_the_readiness_probe_and_its_canary_by_default(
+    launch: Launcher,
+) -> None:
+    # The default spares two decodes: the readiness probe and the gate's canary, so a daemon
+    # becomes ready and the hang comes while serving (docs/standin.md).
+    s = launch(env={"STANDIN_FAULT": "decode-hang"})
+    assert s.generate().json()["meta_info"]["completion_tokens"] == 8
+    assert s.generate().json()["meta_info"]["completion_tokens"] == 8
+    with pytest.raises(httpx.ReadTimeout):
+        s.generate(timeout=0.5)
