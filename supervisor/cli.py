@@ -133,7 +133,7 @@ def _open_nvml() -> Any:
 
 def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import log
-    from supervisor.daemon import handover
+    from supervisor.daemon import adoption
     from supervisor.daemon.effects import Effects
     from supervisor.daemon.loop import Daemon
     from supervisor.daemon.wiring import wire
@@ -143,7 +143,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from supervisor.daemon.notify import Notifier
 
         Notifier().status("failed to start: configuration invalid (see the log)")
-        handover.abandon("the configuration is invalid")
+        adoption.abandon("the configuration is invalid")
         return EX_CONFIG
     problem = _token_file_problem(cfg)
     if problem:
@@ -151,7 +151,7 @@ def cmd_run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
         print(problem, file=err)
         Notifier().status(f"failed to start: {problem}")
-        handover.abandon(problem)
+        adoption.abandon(problem)
         return EX_CONFIG
     log.setup(cfg.logging.format, cfg.logging.level)
     fx = Effects.real(cfg, open_nvml=_open_nvml)

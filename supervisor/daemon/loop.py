@@ -26,7 +26,7 @@ from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
 from supervisor.core.states import ProbeKind, Reason, State, TimerName
-from supervisor.daemon import handover, host, probing, reload, startup
+from supervisor.daemon import adoption, handover, host, probing, reload, startup
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -105,7 +105,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.emit, ev.ReloadRequested())
         # A hand-over blocked them across its exec (daemon/handover.py); pending ones come now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.SIGNALS)
-        inherited = handover.take()
+        inherited = adoption.take()
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()
@@ -147,7 +147,7 @@ class Daemon:
             self.log.info("admin endpoint", url=f"http://{self.cfg.admin.listen}/status")
             self._preparing = True
             try:
-                code = await self._prepare(handover.inherited_version(inherited))
+                code = await self._prepare(adoption.inherited_version(inherited))
             finally:
                 self._preparing = False
             if code is not None:
@@ -162,7 +162,7 @@ class Daemon:
             )
             if self.group is not None:
                 self.inbox.spawn(self.group.run())
-            if inherited is None or not handover.adopt(self, inherited):
+            if inherited is None or not adoption.adopt(self, inherited):
                 # Whatever a previous run left in the router's list is not decode-verified.
                 router.carry_out(self.router, ev.RouterDeregister(0, "startup", wait_idle=False))
                 self.observed.profile(None, self.machine.ctx.profile)
@@ -326,7 +326,7 @@ class Daemon:
                 now, took = self.clock(), item.result.latency_s
                 self.metrics.set_load_phases(self.recorder.probe_ok(now, took))
             case ev.ProbeDone(kind=ProbeKind.LIVENESS):
-                handover.probed(self)  # READY=1 after a hand-over's first decode
+                adoption.probed(self)  # READY=1 after a hand-over's first decode
 
     def _cancel_timer(self, name: TimerName) -> None:
         handle = self._timers.pop(name, None)

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, stuck_threads, take
+from supervisor.daemon.adoption import take
+from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, stuck_threads
 
 
 @pytest.fixture(autouse=True)
