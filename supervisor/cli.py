@@ -334,6 +334,7 @@ def _duration(text: str) -> float:
 
 def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import incidents
+    from supervisor.incidents import cli as incidents_cli
 
     cfg = _load(args, err)
     if cfg is None:
@@ -347,8 +348,8 @@ def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 file=err,
             )
             return 2
-        return incidents.run_show(store, args.id, args.json, out, err)
-    return incidents.run_list(store, args.json, out, err)
+        return incidents_cli.run_show(store, args.id, args.json, out, err)
+    return incidents_cli.run_list(store, args.json, out, err)
 
 
 def cmd_canary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
