@@ -45,7 +45,7 @@ def _per_line(fn: Any, lines: list[str]) -> float:
 
 async def _through_pipe(daemon: Any, data: bytes) -> float:
     """The real pump: a pipe, the loop's reader callback, LogPump.lines. Seconds per line."""
-    from supervisor.process import _Pump
+    from supervisor.process.pipes import _Pump
 
     class _Child:
         launch = 1

@@ -1,6 +1,6 @@
 """SGLang's output lines: counted, scanned, forwarded to our log under a rate limit.
 
-The process layer (`process._Pump`) delivers lines here. Each line goes to the `LogScanner`
+The process layer (`process.pipes._Pump`) delivers lines here. Each line goes to the `LogScanner`
 (ready / fatal verdicts, the bounded tail for /status) and, at most FORWARD_PER_SECOND a second,
 to the daemon's own log. A verdict becomes an event (`ReadyLine`, `FatalLog`) for the machine,
 which drops it if it belongs to an earlier launch.

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import process
 from supervisor.process import LAUNCH_ENV, Child, ProcessOwner, signals
+from supervisor.process import pipes as process
 from supervisor.process.identity import OWNER_ENV, ProcessIdentity, identity_of
 from supervisor.sglang.logscan import Stream
 
