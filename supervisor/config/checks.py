@@ -3,7 +3,7 @@
 of a valid config that are only printed: `warnings` (by `check`) and `launch_warnings` (by
 `check` and at every daemon start; re-exported by supervisor/sglang/argv.py).
 
-The token and key files' own checks (`cli._token_file_problem`) are not checks of the keys:
+The token and key files' own checks (`cli.commands._token_file_problem`) are not checks of the keys:
 they read the files (supervisor/secret_files.py) just before a start, so they run there.
 """
 

@@ -2,9 +2,9 @@
 
 `Daemon(cfg, Effects(...))`: the process owner, the launch-record store, the HTTP client, the
 router's HTTP client factory, the NVML opener, the clocks, the systemd notifier and the metrics
-registry. `cli.py` builds the real
-ones (`Effects.real`), choosing real or simulated GPUs; tests build theirs with fakes. The
-daemon's parts are built from them once, by `wiring.wire`.
+registry. `cli.commands.cmd_run` builds the real ones (`Effects.real`), choosing real or
+simulated GPUs; tests build theirs with fakes. The daemon's parts are built from them once, by
+`wiring.wire`.
 """
 
 from __future__ import annotations

@@ -1,34 +1,21 @@
-"""`kimi-serve` command line. Exit codes follow the contract; no traceback reaches an operator."""
+"""What each `kimi-serve` command does, once its arguments are parsed (cli.parser).
+
+Each `cmd_*` takes the parsed arguments, stdout and stderr and returns the exit status. What a
+command needs beyond the configuration it imports itself: no command loads another's code.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
-from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_OK
-
-# `status` has its own (0 ready, 3 not ready, 4 unreachable, also when the port is held by
-# another user; 77 a token file it may read but cannot use): see
-# supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
-# 4 unreachable, 5 the port held by another user, 77 no permission; with --wait those of
-# supervisor/admin/wait.py): supervisor/admin/control_commands.py. Every command's --help
-# ends with its own (EXITS).
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # argparse's own exit code is 2; a usage error is a usage error, keep that.
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _load(args: argparse.Namespace, err: TextIO) -> Config | None:
@@ -323,15 +310,6 @@ def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return control.run(request, out, err)
 
 
-def _duration(text: str) -> float:
-    from supervisor.config.convert import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import incidents
     from supervisor.incidents import cli as incidents_cli
@@ -367,170 +345,3 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return demo.run_demo(
         args.fault, out, err, load_seconds=args.load_seconds, duration=args.duration
     )
-
-
-# Each command's exit statuses, the epilog of its --help (README's CLI table says the same;
-# restart, drain and undrain: control_commands.EPILOG).
-EXITS = {
-    "run": "exit status: 0 after a clean stop, 78 bad config (or unsafe token file), 1 other fatal",
-    "check": "exit status: 0 valid, 78 invalid (every error printed)",
-    "preflight": "exit status: 0 host ready, 1 host not ready, 78 bad config",
-    "print-command": "exit status: 0, 78 bad config or unknown profile",
-    "probe": "exit status: 0 probe ok, 1 probe failed, 78 bad config",
-    "gpu-clean": "exit status: 0 clean, 1 leftovers that could not be removed, 78 bad config",
-    "status": "exit status: 0 ready (or degraded), 3 not ready, 4 unreachable (also: the admin "
-    "address held by another user), 77 the token file is not a usable token file, 78 bad config",
-    "incidents": "exit status: 0, 1 unknown or ambiguous ID, 2 show without an ID, 78 bad config",
-    "canary": "exit status: 0, 1 nothing to show or accept, 78 bad config",
-    "demo": "exit status: 0 on Ctrl-C or after --duration",
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="kimi-serve",
-        description="Keeps an SGLang server actually serving: launches it, reports ready only "
-        "after a real decode, restarts it on death, hangs and fatal log lines.",
-    )
-    parser.add_argument("--version", action="version", version=f"kimi-serve {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    config_help = (
-        f"config file (default ${config_mod.CONFIG_ENV}, else {config_mod.DEFAULT_CONFIG_PATH})"
-    )
-    token_help = "admin token file (default admin.token_file of the config)"
-
-    def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXITS.get(name))
-        p.set_defaults(func=func)
-        if name != "demo":
-            p.add_argument("--config", metavar="FILE", help=config_help)
-        return p
-
-    add("run", cmd_run, "run the daemon: own SGLang until SIGTERM/SIGINT")
-    p = add("check", cmd_check, "validate the config file; print ok or every error")
-    p.add_argument("--json", action="store_true", help="print {ok, config, errors, warnings}")
-    p = add(
-        "preflight",
-        cmd_preflight,
-        "host checks before a long load: paths, GPUs, port, interpreter, SGLang's own parser",
-    )
-    p.add_argument("--json", action="store_true", help="print the checks as one JSON document")
-    p = add("print-command", cmd_print_command, "print the exact SGLang command line and env")
-    p.add_argument("--profile", metavar="NAME", help="profile to apply (default primary)")
-    p = add("probe", cmd_probe, "send one readiness decode probe to a running server")
-    p.add_argument("--url", metavar="URL", help="server base URL (default from the config)")
-    p = add("gpu-clean", cmd_gpu_clean, "find and remove leftover GPU processes per policy")
-    p.add_argument("--dry-run", action="store_true", help="report only; kill nothing")
-    p = add("status", cmd_status, "ask a running daemon for its state")
-    p.add_argument("--json", action="store_true", help="print the /status JSON document")
-    p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
-    p.add_argument("--token-file", metavar="FILE", help=token_help)
-    from supervisor.admin.control_commands import ANSWER_TIMEOUT, EPILOG, WHAT
-
-    for name, timeout in ANSWER_TIMEOUT.items():
-        p = add(name, cmd_operation, WHAT[name])
-        p.epilog = EPILOG[name]
-        p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
-        p.add_argument("--token-file", metavar="FILE", help=token_help)
-        p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
-        if name in ("restart", "undrain"):
-            p.add_argument(
-                "--wait",
-                action="store_true",
-                help="wait until the new launch is ready"
-                + (" and registered with the router" if name == "undrain" else "")
-                + ", showing its progress",
-            )
-        p.add_argument(
-            "--timeout",
-            type=_duration,
-            metavar="D",
-            help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
-            "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
-            if name in ("restart", "undrain")
-            else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
-        )
-    p = add(
-        "incidents",
-        cmd_incidents,
-        "list the incident directories (newest first), or `show ID` for one",
-    )
-    p.add_argument("action", nargs="?", choices=["show"], help="show one incident")
-    p.add_argument("id", nargs="?", metavar="ID", help="incident id, unique prefix, or last")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p = add(
-        "canary",
-        cmd_canary,
-        "the canary's golden answers: show them, accept the last answer, or forget them; "
-        "try: what the running model answers to the known answers",
-    )
-    from supervisor.quality import canary_cli
-
-    canary_cli.arguments(p)
-    p = add("demo", cmd_demo, "run the real supervisor against the bundled SGLang stand-in")
-    p.add_argument("--fault", metavar="NAME", help="replay a fault, e.g. seed-incident")
-    p.add_argument("--load-seconds", type=float, default=3.0, help="stand-in load time")
-    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
-    return parser
-
-
-class _Stdout(io.TextIOBase):
-    """stdout for a command: once the reader has gone (`kimi-serve status | head -1`), what
-    is left is written to /dev/null, so the command ends quietly with the exit code it would
-    have had (the state, for `status`) instead of a BrokenPipeError."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def writable(self) -> bool:
-        return True
-
-    # What the log's setup asks of its stream (colours on a terminal, the journal's prefix).
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    def write(self, s: str) -> int:
-        try:
-            return self._stream.write(s)
-        except BrokenPipeError:
-            self._to_devnull()
-            return len(s)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._to_devnull()
-
-    def _to_devnull(self) -> None:
-        # The stream's buffer still holds what failed; the interpreter flushes it at exit,
-        # and that flush must not fail again (exit status 120, an "Exception ignored").
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, self._stream.fileno())
-        finally:
-            os.close(devnull)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    out = cast(TextIO, _Stdout(sys.stdout))
-    try:
-        code: int = args.func(args, out, sys.stderr)
-        out.flush()
-    except KeyboardInterrupt:
-        code = 130 if args.command != "demo" else EX_OK
-    except Exception as exc:  # the last line of defence: a message, never a traceback
-        print(f"kimi-serve {args.command}: internal error: {exc!r}", file=sys.stderr)
-        if os.environ.get("KIMI_SERVE_DEBUG"):
-            raise
-        code = EX_FAIL
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
