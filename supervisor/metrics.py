@@ -24,7 +24,7 @@ ROUTER_OPS = ("register", "deregister", "list", "drain")
 
 # Decode probes: tens of ms on an idle H200 with EAGLE, up to the 30 s timeout under load.
 # The admin endpoints that need the token, so their denied series exist from the first scrape
-# (admin_app.py's route table is the authority; a test keeps the two in step).
+# (admin/app.py's route table is the authority; a test keeps the two in step).
 ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status", "/group", "/group/end")
 # The label of a refused request to a path no route has (supervisor/admin/app.py, _endpoint):
 # created with the others, so it reads 0 from the first scrape.

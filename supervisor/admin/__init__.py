@@ -36,8 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from supervisor import log
-from supervisor import secret_files as admin_token
+from supervisor import log, secret_files
 from supervisor.admin import sockowner
 from supervisor.admin.app import AUTHENTICATED as AUTHENTICATED
 from supervisor.admin.app import GATE as GATE
@@ -382,9 +381,9 @@ async def open_endpoint(
     sock: socket.socket | None = None,
 ) -> Served:
     """Create or check the token file, then bind and serve. Raises OSError
-    (admin_token.TokenFileError for the token file, before anything is bound)."""
+    (secret_files.TokenFileError for the token file, before anything is bound)."""
     path = backend.cfg.admin.token_file
-    auth = _Auth(path, admin_token.ensure(path))
+    auth = _Auth(path, secret_files.ensure(path))
     log.get().info("admin token", file=path)  # where it is, never what it is
     app = build_app(
         backend,

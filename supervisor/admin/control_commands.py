@@ -3,7 +3,7 @@ daemon's admin endpoint, authenticated with the token of `admin.token_file`.
 
 Exit codes (README.md, CLI table): 0 done (or, for restart, accepted), 1 the daemon refused,
 does not support or failed the operation, 4 the daemon is unreachable, 5 the admin address is
-held by another user's socket (nothing sent: adminclient), 77 (EX_NOPERM) the token file
+held by another user's socket (nothing sent: admin.client), 77 (EX_NOPERM) the token file
 cannot be read or the daemon rejected the token. With `--wait` (restart, undrain) the wait's
 own statuses follow an accepted request (supervisor/admin/wait.py: 0, 6, 7, 8, 1, 3, 4).
 `--json` prints the daemon's answer as JSON (with the wait's outcome under `wait`); the exit
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from supervisor import secret_files as admin_token
+from supervisor import secret_files
 from supervisor.admin import client as adminclient
 from supervisor.admin import reexec_command
 from supervisor.admin import wait as waiting
@@ -34,8 +34,8 @@ WHAT = {
 
 def read_token(path: str, command: str, err: TextIO) -> str | None:
     try:
-        return admin_token.read_for_client(path)
-    except admin_token.TokenFileError as exc:
+        return secret_files.read_for_client(path)
+    except secret_files.TokenFileError as exc:
         print(f"kimi-serve {command}: {exc.message}", file=err)
         return None
 
@@ -95,7 +95,7 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
                 file=out,
             )
         return EX_NOPERM
-    trusted = admin_token.service_uids(token_file)
+    trusted = secret_files.service_uids(token_file)
     started, sent_at = time.monotonic(), time.time()
     try:
         r = adminclient.request(

@@ -47,18 +47,18 @@ def cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _cache_owner_errors(cfg: Config) -> list[dict[str, Any]]:
     """A cache directory another user could write is a config error (docs/security.md)."""
-    from supervisor.sglang import argv as command
+    from supervisor.sglang import argv
 
     line = cfg.key_lines.get("warm.cache_dir")
     return [
         {"key": "warm.cache_dir", "line": line, "message": problem}
-        for problem in command.cache_owner_problems(cfg)
+        for problem in argv.cache_owner_problems(cfg)
     ]
 
 
 def _check_warnings(cfg: Config) -> list[str]:
     from supervisor import router
-    from supervisor.sglang import argv as command
+    from supervisor.sglang import argv
 
     clear = router.key_in_clear(cfg.router)
     return [
@@ -67,7 +67,7 @@ def _check_warnings(cfg: Config) -> list[str]:
             f"{cfg.path}: warning: {w}"
             for w in [*config_mod.warnings(cfg), *([clear] if clear else [])]
         ),
-        *(f"{cfg.path}: warning: warm.cache_dir: {p}" for p in command.cache_problems(cfg)),
+        *(f"{cfg.path}: warning: warm.cache_dir: {p}" for p in argv.cache_problems(cfg)),
     ]
 
 
@@ -89,7 +89,7 @@ def _check_json(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor.sglang import argv as command
+    from supervisor.sglang import argv
 
     cfg = _load(args, err)
     if cfg is None:
@@ -102,7 +102,7 @@ def cmd_print_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
             file=err,
         )
         return EX_CONFIG
-    spec = command.build(cfg, profile)
+    spec = argv.build(cfg, profile)
     print(spec.shell(), file=out)
     for line in spec.env_lines():
         print(f"env: {line}", file=out)
@@ -149,34 +149,34 @@ def _token_file_problem(cfg: Config) -> str | None:
     """An existing token file that others could read, or a directory for it that others
     could write: refused before anything starts, with 78, since no restart fixes it. (An
     absent file is created by the admin endpoint.)"""
-    from supervisor import secret_files as admin_token
+    from supervisor import secret_files
 
     path = cfg.admin.token_file
     directory = Path(path).parent
     try:
         if os.path.lexists(path):
-            admin_token.load(path)
+            secret_files.load(path)
         elif directory.is_dir():
-            admin_token.check_directory(directory)
-    except admin_token.TokenFileError as exc:
+            secret_files.check_directory(directory)
+    except secret_files.TokenFileError as exc:
         return f"{exc.message} (admin.token_file in {cfg.path})"
     g = cfg.group
     if g.peers and g.token_file != path:
         # The token presented to the peers: held to the same rules (it opens their endpoints).
         try:
-            admin_token.load(g.token_file)
-        except admin_token.TokenFileError as exc:
+            secret_files.load(g.token_file)
+        except secret_files.TokenFileError as exc:
             return f"{exc.message} (group.token_file in {cfg.path})"
     key = cfg.router.api_key_file
     if key is not None:
         # Sent to the router: others must not read it, nor swap it for a key of their own.
         try:
-            admin_token.read_secret(key, "router.api_key_file")
-        except admin_token.TokenFileError as exc:
+            secret_files.read_secret(key, "router.api_key_file")
+        except secret_files.TokenFileError as exc:
             return f"{exc.message} (router.api_key_file in {cfg.path})"
-    from supervisor.sglang import argv as command
+    from supervisor.sglang import argv
 
-    for problem in command.cache_owner_problems(cfg):
+    for problem in argv.cache_owner_problems(cfg):
         return f"{problem} (warm.cache_dir in {cfg.path})"
     return None
 
@@ -185,14 +185,14 @@ def cmd_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import httpx
 
     from supervisor.sglang import api_key as sglang_key
-    from supervisor.sglang import argv as command
+    from supervisor.sglang import argv
     from supervisor.sglang.probe import probe, server_url
 
     cfg = _load(args, err)
     if cfg is None:
         return EX_CONFIG
     url = args.url or server_url(cfg.sglang.host, cfg.sglang.port)
-    speculative = command.build(cfg).speculative
+    speculative = argv.build(cfg).speculative
 
     try:
         # Root's CLI reads the service user's key file as it is (owner aside).
@@ -238,17 +238,17 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from supervisor import secret_files as admin_token
+    from supervisor import secret_files
     from supervisor.admin import status_command as status
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
         try:
             token = _token_if_readable(args.token_file)
-        except admin_token.TokenFileError as exc:
+        except secret_files.TokenFileError as exc:
             print(f"kimi-serve status: {exc.message}", file=err)
             return EX_NOPERM
-        trusted = admin_token.service_uids(args.token_file) if args.token_file else None
+        trusted = secret_files.service_uids(args.token_file) if args.token_file else None
         return status.run_status_command(args.url, args.json, out, err, token, trusted)
     path = config_mod.resolve_path(args.config)
     if path == config_mod.DEFAULT_CONFIG_PATH and not os.path.lexists(path):
@@ -271,10 +271,10 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         base = f"http://{cfg.admin.listen}"
     try:
         token = _token_if_readable(token_file)
-    except admin_token.TokenFileError as exc:
+    except secret_files.TokenFileError as exc:
         print(f"kimi-serve status: {exc.message}", file=err)
         return EX_NOPERM
-    trusted = admin_token.service_uids(token_file)
+    trusted = secret_files.service_uids(token_file)
     return status.run_status_command(base, args.json, out, err, token, trusted)
 
 
@@ -283,11 +283,11 @@ def _token_if_readable(path: str | None) -> str | None:
     when the file is absent or not this user's to read. One it may read but that is not a
     usable token file (malformed, unsafe modes, a planted link) is TokenFileError: an error,
     never quietly a status without the token."""
-    from supervisor import secret_files as admin_token
+    from supervisor import secret_files
 
     if not path or not os.path.exists(path) or not os.access(path, os.R_OK):
         return None
-    return admin_token.read_for_client(path)
+    return secret_files.read_for_client(path)
 
 
 def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

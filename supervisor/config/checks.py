@@ -1,10 +1,10 @@
 """Configuration, checks across keys: the errors a combination of valid keys makes
 (`_group_checks` and `_cross_checks`, run by `supervisor.config.parse`), and the likely mistakes
 of a valid config that are only printed: `warnings` (by `check`) and `launch_warnings` (by
-`check` and at every daemon start; re-exported by supervisor/sglang/argv.py).
+`check` and at every daemon start; re-exported by `supervisor.config`).
 
-The token and key files' own checks (`cli.commands._token_file_problem`) are not checks of the keys:
-they read the files (supervisor/secret_files.py) just before a start, so they run there.
+The token and key files' own checks (`cli.commands._token_file_problem`) are not checks of the
+keys: they read the files (supervisor/secret_files.py) just before a start, so they run there.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, SERVING, Daemon,
 from supervisor.process import Child
 from supervisor.process.adopt import Adopted, Pipe, Unverifiable, verify
 from supervisor.process.identity import ProcessIdentity, live_process
-from supervisor.sglang import argv as command
+from supervisor.sglang import argv
 from supervisor.sglang.logscan import Stream
 
 
@@ -138,7 +138,7 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         why = str(exc) if isinstance(exc, Unverifiable) else f"state unreadable: {exc!r}"
         _fall_back(d, doc, why)
         return False
-    spec = command.build(d.cfg, m["profile"])
+    spec = argv.build(d.cfg, m["profile"])
     d.parts.launcher.adopted(child, spec, m["profile"])
     d.parts.launcher.owner.own(child, pipes)
     d.parts.launcher.owner.refresh_tree(child)
@@ -200,7 +200,7 @@ def _verified(d: Daemon, doc: dict[str, Any]) -> tuple[Child, Pipes, dict[str, A
             raise Unverifiable(f"the launch was {m['state']}, not serving")
         if d.parts.group is not None:
             raise Unverifiable("a multi-node replica does not hand over (group)")
-        spec = command.build(d.cfg, str(m["profile"]))
+        spec = argv.build(d.cfg, str(m["profile"]))
         if list(spec.argv) != list(c["argv"]):
             raise Unverifiable(
                 f"the configuration changes SGLang's command line ({d.cfg.path}): relaunching"

@@ -23,8 +23,7 @@ from typing import Any
 
 import httpx
 
-from supervisor import log, untrusted
-from supervisor import secret_files as admin_token
+from supervisor import log, secret_files, untrusted
 from supervisor.config import Config
 from supervisor.core import group_rules as rules
 from supervisor.core.context import Context
@@ -256,8 +255,8 @@ class Group:
         try:
             # With the daemon's checks (a Secret's links followed, others' access refused),
             # read at each poll: a rotation needs no restart.
-            token = admin_token.load(self.cfg.group.token_file).value
-        except admin_token.TokenFileError as exc:
+            token = secret_files.load(self.cfg.group.token_file).value
+        except secret_files.TokenFileError as exc:
             if exc.message != self._token_problem:  # once per problem, not every poll
                 self.log.error("group: token unusable", error=exc.message)
             self._token_problem = exc.message

@@ -24,7 +24,7 @@ from supervisor.daemon.observed import Observed
 from supervisor.gpu.nvml import Nvml, select
 from supervisor.process import ProcessOwner
 from supervisor.process.identity import RecordStore
-from supervisor.sglang import argv as command
+from supervisor.sglang import argv
 from supervisor.threads import in_thread
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ async def clean(
             if unfit is not None:
                 return unfit
         # Paths on a mount not up yet, GPUs missing: host problems that may clear by themselves.
-        spec = command.build(cfg, profile)
+        spec = argv.build(cfg, profile)
         gpu_count = gpu_counter(nvml, cfg) if nvml is not None else None
         try:
             checks = await in_thread(

@@ -108,7 +108,7 @@ class Observed:
         # Read for /status.last_load (None in tests that build Observed alone).
         self.recorder = recorder
         self.downtime = Downtime()
-        # A line STATUS= ends with while it says something (the prewarm's progress: warm.py).
+        # A line STATUS= ends with while it says something (the prewarm's progress: warm/).
         self.note = note
         metrics.set_gpu_source(self.gpu_status)
 

@@ -20,7 +20,7 @@ from supervisor.gpu.fitness import FitnessReport, XidEvent
 from supervisor.gpu.nvml import EventSource, HealthSource, NvmlUnavailable
 from supervisor.threads import in_thread
 
-# An NVML call that takes longer than this means a hung driver or GPU (as in gpu_clean.py).
+# An NVML call that takes longer than this means a hung driver or GPU (as in gpu/clean.py).
 NVML_CALL_TIMEOUT = 10.0
 # nvmlEventSetWait blocks for its whole timeout when nothing happens (2.002 s for 2000 ms on
 # an H200): one slice is how late a stop or cancellation can be noticed.

@@ -51,7 +51,7 @@ class _Launch:
     capture: stacks.Capture | None = None
     no_stacks_reason: str | None = None
     stop_started_unix: float | None = None
-    # `caches` and `prewarm` of /status.last_load: the round before this launch (warm.py).
+    # `caches` and `prewarm` of /status.last_load: the round before this launch (warm/).
     extras: Callable[[], dict[str, Any]] | None = None
 
     def load_document(self) -> dict[str, Any]:

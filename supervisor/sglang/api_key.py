@@ -19,7 +19,7 @@ from collections.abc import Generator
 import httpx
 import yaml
 
-from supervisor import secret_files as admin_token
+from supervisor import secret_files
 from supervisor.config import Config, key_file_problem
 from supervisor.sglang.argv import secrets_path
 
@@ -35,14 +35,14 @@ def read(path: str, *, owners: tuple[int, ...] | None = None) -> str:
     but its owner and group can read, nobody else can write, owned by `owners`: default the
     service user, i.e. us, or root). Raises KeyFileError naming the problem."""
     allowed = (os.geteuid(), 0) if owners is None else owners
-    # Links and directories walked as for the admin token (admin_token.resolve): root's CLI
+    # Links and directories walked as for the admin token (secret_files.resolve): root's CLI
     # must not follow a link the service user planted to a file of root's choosing.
     trusted = frozenset({os.geteuid(), 0, *allowed}) | (
-        admin_token.service_uids(path) if owners == () else frozenset()
+        secret_files.service_uids(path) if owners == () else frozenset()
     )
     try:
-        f, st, _ = admin_token.open_resolved(path, trusted, "sglang.api_key_file")
-    except admin_token.TokenFileError as exc:
+        f, st, _ = secret_files.open_resolved(path, trusted, "sglang.api_key_file")
+    except secret_files.TokenFileError as exc:
         raise KeyFileError(str(exc)) from None
     with f:
         problem = key_file_problem(st)

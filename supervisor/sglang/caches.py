@@ -66,7 +66,7 @@ def env(root: str) -> dict[str, str]:
 
 
 def paths(launch_env: Mapping[str, str]) -> dict[str, str]:
-    """Each cache's directory in a launch's environment (command.build's `env`)."""
+    """Each cache's directory in a launch's environment (`sglang.argv.build`'s `env`)."""
     return {c.name: launch_env[c.env] for c in CACHES if launch_env.get(c.env)}
 
 

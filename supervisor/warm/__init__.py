@@ -21,8 +21,7 @@ from typing import Any
 from supervisor import log, threads
 from supervisor.config import Config
 from supervisor.core.machine import State, Transitioned
-from supervisor.sglang import argv as command
-from supervisor.sglang import caches
+from supervisor.sglang import argv, caches
 from supervisor.warm import memory, prewarm
 
 # Cache directories are made and measured within this; a hung file system only loses the report.
@@ -117,7 +116,7 @@ class Warm:
 
     async def _run(self, r: Round, done: asyncio.Event) -> None:
         try:
-            spec = command.build(self.cfg, r.profile)
+            spec = argv.build(self.cfg, r.profile)
             dirs = caches.paths(spec.env)
             try:
                 found = await threads.in_thread(lambda: caches.prepare(dirs), CACHES_TIMEOUT_S)
