@@ -244,7 +244,7 @@ def _fall_back(d: Daemon, doc: dict[str, Any], why: str) -> None:
     record, its session, the owner marker) and launches anew. The old main process is still
     our child: it is reaped once it dies, so no zombie stays."""
     d.log.warning("hand-over: cannot adopt SGLang; stopping it and relaunching", why=why)
-    d.handover.ended("fallback", None)
+    d.handover.ended("fallback", None, why)
     m = doc.get("machine")
     if isinstance(m, dict) and isinstance(m.get("launch"), int):
         d.parts.machine.ctx.launch = m["launch"]  # launch numbers go on, as after a restart

@@ -106,6 +106,8 @@ class Daemon:
         # A hand-over blocked them across its exec (daemon/handover.py); pending ones come now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.SIGNALS)
         inherited = adoption.take()
+        if inherited is not None:  # before /metrics is served: the counter never goes back
+            self.handover.carried(inherited.doc.get("counted"))
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()

@@ -80,8 +80,17 @@ def test_a_state_that_does_not_verify_falls_back_to_a_relaunch(tmp_path: Path) -
         assert "--max-running-requests" in psutil.Process(status["child"]["pid"]).cmdline()
         assert launches(tmp_path) == 2
         assert status["daemon"]["last_handoff"]["outcome"] == "fallback"
+        assert "command line" in status["daemon"]["last_handoff"]["why"]
         assert status["child"]["launch"] == 2  # numbering goes on
         assert 'kimi_serve_handoffs_total{outcome="fallback"} 1.0' in d.get("/metrics").text
+        # The next hand-over adopts; the fallback's count went on over this exec too (a
+        # counter back at 0, then 1 again, would hide a second fallback from increase()).
+        assert d.post("/reexec").status_code == 202
+        d.wait_for(lambda e: e.get("event") == "hand-over complete", timeout=30)
+        metrics = d.get("/metrics").text
+        assert 'kimi_serve_handoffs_total{outcome="fallback"} 1.0' in metrics
+        assert 'kimi_serve_handoffs_total{outcome="ok"} 1.0' in metrics
+        assert d.status()["daemon"]["handoffs"] == 2
         assert d.stop() == 0
 
 
