@@ -152,6 +152,7 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         cur.key, cur.identity = quality.get("key"), quality.get("identity")
         cur.version = quality.get("version")
     _restore(d.parts.machine.ctx, m)
+    d.parts.observed.adopted(child, doc.get("observed"))
     d.parts.observed.profile(None, d.parts.machine.ctx.profile)
     link = d.router
     if link is not None and d.parts.machine.ctx.state is not State.DRAINING:

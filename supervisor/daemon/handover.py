@@ -271,6 +271,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "admin_fd": admin_fd,
         "router_worker_id": None if link is None else link.state.worker_id,
         "sglang_version": d.parts.observed.sglang_version,
+        "observed": d.parts.observed.carried(),
         "quality": None
         if quality is None
         else {

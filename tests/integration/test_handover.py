@@ -4,6 +4,7 @@ back to an ordinary restart, saying why."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         d.wait_state("ready")
         pid = d.sglang_pid()
         daemon_pid = d.proc.pid
+        before = d.status()
         with Hammer(d.admin, sglang) as h:
             wait_until(lambda: h.sent > 20, 10, "the client loop running")
             r = d.post("/reexec")
@@ -48,6 +50,15 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         metrics = d.get("/metrics").text
         assert 'kimi_serve_handoffs_total{outcome="ok"} 1.0' in metrics
         assert 'kimi_serve_handoffs_total{outcome="fallback"} 0.0' in metrics
+        # The state's gauges and /status as they were, not those of a fresh start.
+        assert "kimi_serve_ready 1.0" in metrics
+        assert 'kimi_serve_state{state="ready"} 1.0' in metrics
+        assert 'kimi_serve_state{state="starting"} 0.0' in metrics
+        started = re.search(r"^kimi_serve_child_start_time_seconds (\S+)$", metrics, re.M)
+        assert started and float(started[1]) == status["child"]["started_at"]
+        assert "kimi_serve_child_starts_total 0.0" in metrics  # no start counted
+        assert status["since"] == before["since"]
+        assert status["events"][: len(before["events"])] == before["events"]
         assert d.stop() == 0
     # Every access line SGLang printed, once: none lost in the exec, none doubled.
     seen = access_lines(d)
