@@ -70,6 +70,8 @@ CONTRACT_METRICS: dict[str, str] = {
     "kimi_serve_quality_degraded": "gauge",
     # Restart downtime section of the contract.
     "kimi_serve_restart_downtime_seconds": "histogram",
+    # Hand-over section of the contract.
+    "kimi_serve_handoffs_total": "counter",
 }
 
 

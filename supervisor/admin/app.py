@@ -66,6 +66,8 @@ class Reexec(Protocol):
 
     def refusal(self) -> str | None: ...
     def begin(self) -> None: ...
+    # `/status.daemon` as the request found it: `reexec --wait` waits for the next hand-over.
+    def status(self) -> dict[str, Any]: ...
 
 
 # What /drain and /undrain call: a JSON-able answer (200), or Refused (409).
@@ -293,7 +295,8 @@ def build_app(
         refused = on_reexec.refusal()
         if refused:
             return web.json_response({"accepted": False, "error": refused}, status=409)
-        response = web.json_response({"accepted": True}, status=202)
+        answer = {"accepted": True, "daemon": on_reexec.status()}
+        response = web.json_response(answer, status=202)
         response.force_close()
         await response.prepare(request)
         await response.write_eof()

@@ -4,14 +4,15 @@ daemon's admin endpoint, authenticated with the token of `admin.token_file`.
 Exit codes (README.md, CLI table): 0 done (or, for restart, accepted), 1 the daemon refused,
 does not support or failed the operation, 4 the daemon is unreachable, 5 the admin address is
 held by another user's socket (nothing sent: admin.client), 77 (EX_NOPERM) the token file
-cannot be read or the daemon rejected the token. With `--wait` (restart, undrain) the wait's
-own statuses follow an accepted request (supervisor/admin/wait.py: 0, 6, 7, 8, 1, 3, 4).
+cannot be read or the daemon rejected the token. With `--wait` (restart, undrain, reexec) the
+wait's own statuses follow an accepted request (supervisor/admin/wait.py: 0, 6, 7, 8, 1, 3, 4).
 `--json` prints the daemon's answer as JSON (with the wait's outcome under `wait`); the exit
 codes are the same.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from supervisor.admin import client as adminclient
 from supervisor.admin import reexec_command
 from supervisor.admin import wait as waiting
 from supervisor.admin.status_command import router_lines
+from supervisor.config.convert import parse_duration
 from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
 
 WHAT = {
@@ -60,9 +62,48 @@ EPILOG = {
     "failed, 3 not ready when --timeout ran out, 4 unreachable, 5 the admin address held by "
     "another user, 77 token unreadable or rejected, 78 bad config; with --wait also 6 ready "
     "on the fallback profile, 7 on the rolled-back last known good",
-    "reexec": "exit status: 0 accepted, 1 refused (not serving), 4 unreachable, 5 the admin "
-    "address held by another user, 77 token unreadable or rejected, 78 bad config",
+    "reexec": "exit status: 0 accepted (with --wait: handed over and ready), 1 refused (not "
+    "serving; with --wait also: the hand-over failed, no exec, or the daemon failed, the reason "
+    "printed), 4 unreachable, 5 the admin address held by another user, 77 token unreadable or "
+    "rejected, 78 bad config; with --wait also 8 ready, but the hand-over fell back to a "
+    "restart (the reason printed), 6 ready on the fallback profile, 7 on the rolled-back last "
+    "known good, 3 not ready when --timeout ran out",
 }
+TOKEN_HELP = "admin token file (default admin.token_file of the config)"
+WAIT_HELP = {
+    "restart": "wait until the new launch is ready, showing its progress",
+    "undrain": "wait until the new launch is ready and registered with the router, showing "
+    "its progress",
+    "reexec": "wait until the new program has adopted SGLang and is ready (or the hand-over "
+    "fell back or failed), showing its progress",
+}
+
+
+def arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """The options of `restart`, `drain`, `undrain`, `reexec` (cli.build_parser)."""
+    timeout = ANSWER_TIMEOUT[name]
+    p.epilog = EPILOG[name]
+    p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
+    p.add_argument("--token-file", metavar="FILE", help=TOKEN_HELP)
+    p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    if name in WAIT_HELP:
+        p.add_argument("--wait", action="store_true", help=WAIT_HELP[name])
+    p.add_argument(
+        "--timeout",
+        type=_duration,
+        metavar="D",
+        help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
+        "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
+        if name in WAIT_HELP
+        else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
+    )
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -76,6 +117,14 @@ class Request:
     answer_timeout: float
     as_json: bool = False
     wait: bool = False
+
+
+def request_of(args: argparse.Namespace, base: str, token_file: str) -> Request:
+    """The request the command line asks for (`arguments`' options)."""
+    wait = bool(getattr(args, "wait", False))
+    answer = ANSWER_TIMEOUT[args.command]
+    timeout = args.timeout if args.timeout is not None else (None if wait else answer)
+    return Request(args.command, base, token_file, timeout, answer, as_json=args.json, wait=wait)
 
 
 def run(req: Request, out: TextIO, err: TextIO) -> int:
@@ -139,8 +188,17 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
         print(render_answer(command, r.status, doc), file=out)
 
     def status() -> dict[str, Any]:
+        # Across a hand-over the new program answers on the inherited socket once it has
+        # started (seconds, the interpreter's imports): a slow answer, never a refused one.
+        read_timeout = None
+        if command == "reexec":
+            spent = time.monotonic() - started
+            left_s = reexec_command.POLL_READ_S if req.timeout is None else req.timeout - spent
+            read_timeout = min(reexec_command.POLL_READ_S, max(1.0, left_s))
         try:
-            a = adminclient.request("GET", base, "/status", trusted=trusted, token=token)
+            a = adminclient.request(
+                "GET", base, "/status", trusted=trusted, token=token, read_timeout=read_timeout
+            )
             got = a.json() if a.status == 200 else None
         except (adminclient.NotTheService, ValueError) as exc:
             # Another user's socket took the port meanwhile, or the answer is not JSON: no
@@ -156,6 +214,8 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
         registered=command == "undrain",
         sent_at=sent_at,
     )
+    if command == "reexec":
+        goal = reexec_command.goal(doc, sent_at)
     left = None if req.timeout is None else max(0.0, req.timeout - (time.monotonic() - started))
     last: dict[str, Any] = {}
 

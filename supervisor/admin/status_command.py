@@ -74,6 +74,10 @@ def loading_line(loading: object) -> str:
     return ", ".join(parts)
 
 
+def hand_overs(n: object) -> str:
+    return f"{n} hand-over" if n == 1 else f"{n} hand-overs"
+
+
 def daemon_lines(d: object, now: float) -> list[str]:
     """/status.daemon: its version, uptime (across hand-overs) and the last hand-over."""
     if not isinstance(d, dict):
@@ -85,7 +89,7 @@ def daemon_lines(d: object, now: float) -> list[str]:
         took = last.get("seconds")
         took_s = f" in {took:.1f} s" if isinstance(took, int | float) else ""
         line += (
-            f"; {d.get('handoffs')} hand-overs, the last {last.get('outcome')}{took_s} "
+            f"; {hand_overs(d.get('handoffs'))}, the last {last.get('outcome')}{took_s} "
             f"from {last.get('from_version')}, {_ago(last.get('at'), now)}"
         )
     return [line]

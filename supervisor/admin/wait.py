@@ -1,17 +1,21 @@
-"""`restart --wait` and `undrain --wait`: follow the daemon's /status until the launch asked
-for serves, and say how it ended.
+"""`restart --wait`, `undrain --wait` and `reexec --wait`: follow the daemon's /status until
+the launch asked for serves, and say how it ended.
 
 The restart's accept answer names the launch it makes (`launch`): the wait is for that one (or
 a later one, after a crash on the way), never for the old launch that is still `ready` for the
-moment between the request and the daemon taking it. Decide, then do: `verdict` and
+moment between the request and the daemon taking it. The hand-over's answer gives the daemon's
+`handoffs` and `last_handoff` as they were: the wait is for a `last_handoff` other than that
+one (the new program writes it once SGLang answered its first decode, or fell back; the old one
+when the exec did not happen), then for serving. Decide, then do: `verdict` and
 `progress_line` are pure (a /status document in, an outcome or a line out); `follow` polls.
 
 Exit statuses (README.md, CLI table; supervisor/exits.py):
 - 0: ready (or degraded) on the configured profile, `primary`;
 - 6: ready, but on the fallback profile (`restart.fallback_profile` after a crash loop);
 - 7: ready, but on the rolled-back last known good (`/status.upgrade.state` `rolled_back`);
-- 8: ready, but the hand-over fell back to an ordinary restart (`reexec --wait`);
+- 8: ready, but the hand-over fell back to an ordinary restart (`reexec --wait`): its why;
 - 1: the daemon gave up (`failed`) or is stopping: the reason and the incident are printed;
+  the hand-over failed (no exec: the old program goes on): its why;
 - 3: still not ready when the wait's timeout ran out;
 - 4: the daemon could no longer be reached.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from supervisor.admin import client as adminclient
-from supervisor.admin.status_command import load_progress
+from supervisor.admin.status_command import hand_overs, load_progress
 from supervisor.exits import (
     EX_FAIL,
     EX_NOT_READY,
@@ -53,12 +57,14 @@ class Outcome:
 @dataclass(frozen=True)
 class Goal:
     """What the wait is for: a serving launch numbered `launch` or later (0: any), registered
-    with the router where one is configured (`registered`), and whether a hand-over's
-    fallback to a restart is to be reported (`handover`)."""
+    with the router where one is configured (`registered`), and, for a hand-over
+    (`handover`), a `last_handoff` newer than the one the request found (`last_at`, its `at`;
+    None: there was none)."""
 
     launch: int = 0
     registered: bool = False
     handover: bool = False
+    last_at: float | None = None
     # When the request was sent (unix s): a state entered later is the request's doing, even
     # one the first poll already finds (a restart from `failed` that failed again at once).
     sent_at: float = 0.0
@@ -79,17 +85,46 @@ def _incident(doc: dict[str, Any]) -> str | None:
     return None
 
 
-def _handover_fell_back(doc: dict[str, Any]) -> bool:
+def new_handoff(doc: dict[str, Any], goal: Goal) -> dict[str, Any] | None:
+    """The `last_handoff` this request made, or None while /status shows none newer."""
     daemon = doc.get("daemon")
     last = daemon.get("last_handoff") if isinstance(daemon, dict) else None
-    outcome = str(last.get("outcome", "")) if isinstance(last, dict) else ""
-    return "restart" in outcome or "fell" in outcome or "fallback" in outcome
+    if not isinstance(last, dict) or last.get("at") == goal.last_at:
+        return None
+    at = last.get("at")
+    if goal.last_at is None and goal.sent_at > 0:
+        # An older daemon's answer named no last_handoff: one from before the request is not
+        # this one (the same host's clock).
+        return last if isinstance(at, int | float) and at >= goal.sent_at else None
+    return last
+
+
+def _why(last: dict[str, Any]) -> str:
+    return str(last.get("why") or "no reason given")
+
+
+def _handed_over(doc: dict[str, Any], last: dict[str, Any]) -> str:
+    daemon = doc.get("daemon") or {}
+    took = last.get("seconds")
+    took_s = f" in {took:.1f} s" if isinstance(took, int | float) else ""
+    return (
+        f"handed over from kimi-serve {last.get('from_version')} to {daemon.get('version')}"
+        f"{took_s} (pid {daemon.get('pid')}); SGLang kept running"
+    )
 
 
 def verdict(doc: dict[str, Any], goal: Goal, fresh: bool) -> Outcome | None:
     """How the wait ends on this /status, or None to keep waiting. `fresh`: the document
     may show the outcome of this request (the daemon has been seen past it: a launch of
-    the goal's number, or another state than the one the request found)."""
+    the goal's number, or another state than the one the request found). A hand-over's
+    outcome is its new `last_handoff`: until one shows, the old program still answers."""
+    last = new_handoff(doc, goal) if goal.handover else None
+    if goal.handover:
+        if last is None:
+            return None
+        if last.get("outcome") == "failed":
+            return Outcome(EX_FAIL, f"the hand-over failed, no exec: {_why(last)}")
+        fresh = True
     state = str(doc.get("state", "?"))
     if state in SERVING and _launch(doc) >= goal.launch:
         router = doc.get("router")
@@ -105,10 +140,13 @@ def verdict(doc: dict[str, Any], goal: Goal, fresh: bool) -> Outcome | None:
             )
         if profile != PRIMARY:
             return Outcome(EX_READY_FALLBACK, f"{state} on the fallback profile ({where})")
-        if goal.handover and _handover_fell_back(doc):
+        if last is not None and last.get("outcome") == "fallback":
             return Outcome(
-                EX_READY_RESTARTED, f"{state}, but the hand-over fell back to a restart ({where})"
+                EX_READY_RESTARTED,
+                f"{state}, but the hand-over fell back to a restart: {_why(last)} ({where})",
             )
+        if last is not None:
+            return Outcome(EX_OK, f"{state}: {_handed_over(doc, last)} ({where})")
         return Outcome(EX_OK, f"{state} ({where})")
     if fresh and state in ("failed", "stopping", "stopped"):
         why = doc.get("detail") or (doc.get("last_restart") or {}).get("reason") or "no reason"
@@ -118,10 +156,14 @@ def verdict(doc: dict[str, Any], goal: Goal, fresh: bool) -> Outcome | None:
     return None
 
 
-def progress_line(doc: dict[str, Any], waited_s: float) -> str:
-    """One line: state, launch, load phase, elapsed against load_timeout, restarts, waited."""
+def progress_line(doc: dict[str, Any], waited_s: float, daemon: bool = False) -> str:
+    """One line: state, launch, load phase, elapsed against load_timeout, restarts, waited;
+    with `daemon` (a hand-over's wait) also the daemon's version and hand-overs."""
     state = str(doc.get("state", "?"))
     parts = [f"{state} (launch {_launch(doc)}, {doc.get('profile')})"]
+    d = doc.get("daemon")
+    if daemon and isinstance(d, dict):
+        parts.append(f"kimi-serve {d.get('version')}, {hand_overs(d.get('handoffs'))}")
     loading = doc.get("loading")
     if isinstance(loading, dict):
         parts.extend(load_progress(loading))
@@ -139,7 +181,9 @@ def progress_line(doc: dict[str, Any], waited_s: float) -> str:
 def _phase_key(doc: dict[str, Any]) -> tuple[Any, ...]:
     loading = doc.get("loading")
     phase = loading.get("phase") if isinstance(loading, dict) else None
-    return (doc.get("state"), _launch(doc), phase, str(doc.get("restarts")))
+    d = doc.get("daemon")
+    handoffs = (d.get("version"), d.get("handoffs")) if isinstance(d, dict) else None
+    return (doc.get("state"), _launch(doc), phase, str(doc.get("restarts")), handoffs)
 
 
 def default_timeout(doc: dict[str, Any]) -> float:
@@ -178,6 +222,10 @@ def follow(
             try:
                 doc = get()
             except adminclient.Unreachable as exc:
+                if first is not None and clock() - start >= bound:
+                    # The bound ran out while an answer was awaited (a slow one is no more
+                    # than that: `reexec --wait` reads for up to the time left).
+                    return Outcome(EX_NOT_READY, f"not ready after {bound:.0f} s: {exc}")
                 return Outcome(EX_UNREACHABLE, f"the daemon could not be reached ({exc})")
             key = _phase_key(doc)
             if first is None:
@@ -187,7 +235,7 @@ def follow(
             entered = isinstance(since, int | float) and since >= goal.sent_at > 0
             fresh = fresh or entered or key[:2] != first[:2] or _launch(doc) >= goal.launch > 0
             waited = clock() - start
-            line = progress_line(doc, waited)
+            line = progress_line(doc, waited, goal.handover)
             if tty:
                 progress.write(f"\r{line}\x1b[K")
                 progress.flush()
@@ -200,7 +248,8 @@ def follow(
                 return outcome
             if waited >= bound:
                 return Outcome(
-                    EX_NOT_READY, f"not ready after {bound:.0f} s: {progress_line(doc, waited)}"
+                    EX_NOT_READY,
+                    f"not ready after {bound:.0f} s: {progress_line(doc, waited, goal.handover)}",
                 )
             sleep(min(POLL_S, max(0.0, bound - waited)))
     finally:

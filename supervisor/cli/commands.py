@@ -294,20 +294,13 @@ def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor.admin import control_commands as control
 
     if args.url and args.token_file:
-        base, token_file = args.url, args.token_file
-    else:
-        cfg = _load(args, err)
-        if cfg is None:
-            return EX_CONFIG
-        base = args.url or f"http://{cfg.admin.listen}"
-        token_file = args.token_file or cfg.admin.token_file
-    wait = bool(getattr(args, "wait", False))
-    answer = control.ANSWER_TIMEOUT[args.command]
-    timeout = args.timeout if args.timeout is not None else (None if wait else answer)
-    request = control.Request(
-        args.command, base, token_file, timeout, answer, as_json=args.json, wait=wait
-    )
-    return control.run(request, out, err)
+        return control.run(control.request_of(args, args.url, args.token_file), out, err)
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    base = args.url or f"http://{cfg.admin.listen}"
+    token_file = args.token_file or cfg.admin.token_file
+    return control.run(control.request_of(args, base, token_file), out, err)
 
 
 def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -33,24 +33,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _duration(text: str) -> float:
-    from supervisor.config.convert import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 # `status` has its own (0 ready, 3 not ready, 4 unreachable, also when the port is held by
 # another user; 77 a token file it may read but cannot use): see
-# supervisor/admin/status_command.py; `restart`, `drain`, `undrain` theirs (0, 1 refused,
-# 4 unreachable, 5 the port held by another user, 77 no permission; with --wait those of
-# supervisor/admin/wait.py): supervisor/admin/control_commands.py. Every command's --help
-# ends with its own (EXITS below).
+# supervisor/admin/status_command.py; `restart`, `drain`, `undrain`, `reexec` theirs (0,
+# 1 refused, 4 unreachable, 5 the port held by another user, 77 no permission; with --wait
+# those of supervisor/admin/wait.py): supervisor/admin/control_commands.py. Every command's
+# --help ends with its own (EXITS below).
 #
 # Each command's exit statuses, the epilog of its --help (README's CLI table says the same;
-# restart, drain and undrain: control_commands.EPILOG).
+# restart, drain, undrain and reexec: control_commands.EPILOG).
 EXITS = {
     "run": "exit status: 0 after a clean stop, 78 bad config (or unsafe token file), 1 other fatal",
     "check": "exit status: 0 valid, 78 invalid (every error printed)",
@@ -77,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_help = (
         f"config file (default ${config_mod.CONFIG_ENV}, else {config_mod.DEFAULT_CONFIG_PATH})"
     )
-    token_help = "admin token file (default admin.token_file of the config)"
+    from supervisor.admin import control_commands as control
+
+    token_help = control.TOKEN_HELP
 
     def add(name: str, func: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXITS.get(name))
@@ -105,31 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
     p.add_argument("--token-file", metavar="FILE", help=token_help)
-    from supervisor.admin.control_commands import ANSWER_TIMEOUT, EPILOG, WHAT
-
-    for name, timeout in ANSWER_TIMEOUT.items():
-        p = add(name, cmd_operation, WHAT[name])
-        p.epilog = EPILOG[name]
-        p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
-        p.add_argument("--token-file", metavar="FILE", help=token_help)
-        p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
-        if name in ("restart", "undrain"):
-            p.add_argument(
-                "--wait",
-                action="store_true",
-                help="wait until the new launch is ready"
-                + (" and registered with the router" if name == "undrain" else "")
-                + ", showing its progress",
-            )
-        p.add_argument(
-            "--timeout",
-            type=_duration,
-            metavar="D",
-            help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
-            "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
-            if name in ("restart", "undrain")
-            else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
-        )
+    for name in control.ANSWER_TIMEOUT:
+        control.arguments(add(name, cmd_operation, control.WHAT[name]), name)
     p = add(
         "incidents",
         cmd_incidents,

@@ -152,6 +152,7 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         cur.key, cur.identity = quality.get("key"), quality.get("identity")
         cur.version = quality.get("version")
     _restore(d.parts.machine.ctx, m)
+    d.parts.observed.adopted(child, doc.get("observed"))
     d.parts.observed.profile(None, d.parts.machine.ctx.profile)
     link = d.router
     if link is not None and d.parts.machine.ctx.state is not State.DRAINING:
@@ -244,7 +245,7 @@ def _fall_back(d: Daemon, doc: dict[str, Any], why: str) -> None:
     record, its session, the owner marker) and launches anew. The old main process is still
     our child: it is reaped once it dies, so no zombie stays."""
     d.log.warning("hand-over: cannot adopt SGLang; stopping it and relaunching", why=why)
-    d.handover.ended("fallback", None)
+    d.handover.ended("fallback", None, why)
     m = doc.get("machine")
     if isinstance(m, dict) and isinstance(m.get("launch"), int):
         d.parts.machine.ctx.launch = m["launch"]  # launch numbers go on, as after a restart

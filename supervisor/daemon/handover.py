@@ -114,6 +114,12 @@ class Handover:
     last: dict[str, Any] | None = None
     begun: bool = False
     recoveries: list[float] = field(default_factory=list)  # wall times, carried over the exec
+    # kimi_serve_handoffs_total by outcome, carried over the exec: a counter the new program
+    # started at 0 would show a second hand-over as 1 -> 1, which no increase() sees.
+    counted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    # The internal error a hand-over under way recovers from (`recover`): if the exec does not
+    # happen after all, the old path follows (a clean stop, exit 1).
+    cause: BaseException | None = None
     # Set by `adopt` until the adopted launch's first decode answered: then READY=1.
     awaiting_probe: float | None = None
     _exec_at: float | None = None
@@ -166,6 +172,7 @@ class Handover:
             self.daemon.log.warning("internal error not handed over", why=refused)
             return False
         self.recoveries.append(now)
+        self.cause = exc
         self.begin()
         return True
 
@@ -185,14 +192,39 @@ class Handover:
             "last_handoff": self.last,
         }
 
-    def ended(self, outcome: str, seconds: float | None) -> None:
+    def ended(self, outcome: str, seconds: float | None, why: str | None = None) -> None:
+        """`last_handoff` and the counter: `ok` adopted, `fallback` relaunched, `failed` no
+        exec (`why` says why for the last two; `reexec --wait` prints it)."""
         self.last = {
             "at": time.time(),
             "seconds": None if seconds is None else round(seconds, 3),
             "from_version": self._from_version,
             "outcome": outcome,
+            "why": why,
         }
+        self.counted[outcome] = self.counted.get(outcome, 0) + 1
         self.daemon.metrics.handoffs.labels(outcome).inc()
+
+    def carried(self, counted: object) -> None:
+        """The counts an earlier exec passed on, into this program's counter."""
+        if not isinstance(counted, dict):
+            return
+        for outcome in OUTCOMES:
+            n = counted.get(outcome)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                self.counted[outcome] += n
+                self.daemon.metrics.handoffs.labels(outcome).inc(n)
+
+    def not_begun(self, why: str) -> None:
+        """The exec did not happen after all (the request was answered 202): `failed`, with
+        why; after an internal error the old path follows."""
+        self.begun = False
+        self.ended("failed", None, why)
+        cause, self.cause = self.cause, None
+        if cause is not None:
+            self.daemon.log.error("internal error not handed over; stopping", why=why)
+            self.daemon.parts.inbox.failed()
+            self.daemon.emit(ev.StopRequested("internal-error"))
 
 
 # ------------------------------------------------------------------ the old daemon
@@ -213,6 +245,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "mono": time.monotonic(),
         "started_at": d.handover.started_at,
         "handoffs": d.handover.handoffs,
+        "counted": d.handover.counted,
         "recoveries": d.handover.recoveries,
         "machine": {
             **{name: getattr(ctx, name) for name in _CTX_FIELDS},
@@ -238,6 +271,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "admin_fd": admin_fd,
         "router_worker_id": None if link is None else link.state.worker_id,
         "sglang_version": d.parts.observed.sglang_version,
+        "observed": d.parts.observed.carried(),
         "quality": None
         if quality is None
         else {
@@ -264,8 +298,9 @@ async def execute(d: Daemon) -> None:
     says why."""
     ho, served = d.handover, d.admin_served
     if served is None or served.hand_over is None or served.resume is None:
-        ho.begun = False
-        d.log.warning("hand-over not begun", why="the admin endpoint is not serving")
+        why = "the admin endpoint is not serving"
+        d.log.warning("hand-over not begun", why=why)
+        ho.not_begun(why)
         return
     admin_fd = await served.hand_over()
     # From here a stop or a reload waits, blocked, for the new daemon's handlers. One that
@@ -278,8 +313,9 @@ async def execute(d: Daemon) -> None:
     if refused is not None or child is None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         await served.resume(admin_fd)
-        ho.begun = False
-        d.log.warning("hand-over not begun", why=refused or "SGLang is not running")
+        why = refused or "SGLang is not running"
+        d.log.warning("hand-over not begun", why=why)
+        ho.not_begun(why)
         return
     log.get().info("hand-over: exec", version=__version__, sglang_pid=child.pid)
     pipes = d.parts.launcher.owner.release(child)
@@ -304,10 +340,9 @@ async def execute(d: Daemon) -> None:
         d.parts.launcher.owner.own(child, pipes)
         os.set_inheritable(admin_fd, False)
         await served.resume(admin_fd)
-        ho.begun = False
-        ho.ended("failed", None)
         d.log.error("hand-over failed: the exec did not happen", error=repr(exc))
         d.notifier.ready(d.status_line())
+        ho.not_begun(f"the exec did not happen: {exc!r}")
 
 
 def _signalled(d: Daemon) -> str | None:

@@ -26,7 +26,7 @@ from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
 from supervisor.core.states import ProbeKind, Reason, State, TimerName
-from supervisor.daemon import adoption, handover, host, probing, reload, startup
+from supervisor.daemon import adoption, handover, host, injected, probing, reload, startup
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -106,6 +106,8 @@ class Daemon:
         # A hand-over blocked them across its exec (daemon/handover.py); pending ones come now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.SIGNALS)
         inherited = adoption.take()
+        if inherited is not None:  # before /metrics is served: the counter never goes back
+            self.handover.carried(inherited.doc.get("counted"))
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()
@@ -168,7 +170,13 @@ class Daemon:
                 self.observed.profile(None, self.machine.ctx.profile)
                 self.emit(ev.Start())
             while self._exit_code is None:
-                self.dispatch(await self.queue.get())
+                item = await self.queue.get()
+                try:
+                    self.dispatch(item)
+                except Exception as exc:  # the loop's own code: handed over as a task's is
+                    if not self.handover.recover(exc):
+                        raise
+                    self.log.error("internal error; handing over", error=repr(exc))
             return self._exit_code
         except Exception as exc:  # never leave SGLang behind, whatever went wrong here
             # One line for the operator; the traceback only at debug level, for a bug report.
@@ -230,6 +238,7 @@ class Daemon:
 
     def dispatch(self, item: Item) -> None:
         self._beat = self.clock()
+        injected.check("dispatch")
         if isinstance(item, Read):
             verdict = reload.judge(self.cfg, item.config, self.observed.refused_reload)
             if isinstance(item.config, Config) and verdict is not Verdict.INVALID:
@@ -399,6 +408,7 @@ class Daemon:
         wd = watchdog_interval()
         last_extend = last_ping = -EXTEND_EVERY_S - (wd or 0.0)
         while True:
+            injected.check("task")
             now = self.clock()
             if wd is not None and now - last_ping >= wd and self.loop_healthy():
                 self.notifier.watchdog()

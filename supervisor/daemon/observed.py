@@ -315,6 +315,32 @@ class Observed:
         self.metrics.child_starts.inc()
         self.metrics.child_start_time.set(child.started_at)
 
+    def carried(self) -> dict[str, Any]:
+        """What /status shows of the state that a hand-over passes on (daemon/handover.py)."""
+        return {
+            "since": self.since_unix,
+            "detail": self.detail,
+            "reason": self.reason,
+            "last_restart": self.last_restart,
+            "events": list(self.events),
+        }
+
+    def adopted(self, child: Child, carried: object) -> None:
+        """A launch a hand-over passed on, shown as it was: the state since it was entered
+        (not since the exec), its gauges (`kimi_serve_ready` 1 again at once, never a start
+        counted), the last restart and the timeline."""
+        got = carried if isinstance(carried, dict) else {}
+        self.child = child
+        since = got.get("since")
+        if isinstance(since, int | float) and not isinstance(since, bool):
+            self.since_unix = float(since)
+        self.detail, self.reason = str(got.get("detail") or ""), str(got.get("reason") or "")
+        last = got.get("last_restart")
+        self.last_restart = last if isinstance(last, dict) else None
+        self.events.extend(e for e in got.get("events") or [] if isinstance(e, dict))
+        self.metrics.set_state(self.ctx.state, self.since_unix)
+        self.metrics.child_start_time.set(child.started_at)
+
     def stopped(self) -> None:
         # /status keeps showing the child while it is alive (a process stuck after SIGKILL).
         self.metrics.child_start_time.set(0)

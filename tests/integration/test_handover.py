@@ -4,6 +4,7 @@ back to an ordinary restart, saying why."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         d.wait_state("ready")
         pid = d.sglang_pid()
         daemon_pid = d.proc.pid
+        before = d.status()
         with Hammer(d.admin, sglang) as h:
             wait_until(lambda: h.sent > 20, 10, "the client loop running")
             r = d.post("/reexec")
@@ -48,6 +50,15 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         metrics = d.get("/metrics").text
         assert 'kimi_serve_handoffs_total{outcome="ok"} 1.0' in metrics
         assert 'kimi_serve_handoffs_total{outcome="fallback"} 0.0' in metrics
+        # The state's gauges and /status as they were, not those of a fresh start.
+        assert "kimi_serve_ready 1.0" in metrics
+        assert 'kimi_serve_state{state="ready"} 1.0' in metrics
+        assert 'kimi_serve_state{state="starting"} 0.0' in metrics
+        started = re.search(r"^kimi_serve_child_start_time_seconds (\S+)$", metrics, re.M)
+        assert started and float(started[1]) == status["child"]["started_at"]
+        assert "kimi_serve_child_starts_total 0.0" in metrics  # no start counted
+        assert status["since"] == before["since"]
+        assert status["events"][: len(before["events"])] == before["events"]
         assert d.stop() == 0
     # Every access line SGLang printed, once: none lost in the exec, none doubled.
     seen = access_lines(d)
@@ -80,8 +91,17 @@ def test_a_state_that_does_not_verify_falls_back_to_a_relaunch(tmp_path: Path) -
         assert "--max-running-requests" in psutil.Process(status["child"]["pid"]).cmdline()
         assert launches(tmp_path) == 2
         assert status["daemon"]["last_handoff"]["outcome"] == "fallback"
+        assert "command line" in status["daemon"]["last_handoff"]["why"]
         assert status["child"]["launch"] == 2  # numbering goes on
         assert 'kimi_serve_handoffs_total{outcome="fallback"} 1.0' in d.get("/metrics").text
+        # The next hand-over adopts; the fallback's count went on over this exec too (a
+        # counter back at 0, then 1 again, would hide a second fallback from increase()).
+        assert d.post("/reexec").status_code == 202
+        d.wait_for(lambda e: e.get("event") == "hand-over complete", timeout=30)
+        metrics = d.get("/metrics").text
+        assert 'kimi_serve_handoffs_total{outcome="fallback"} 1.0' in metrics
+        assert 'kimi_serve_handoffs_total{outcome="ok"} 1.0' in metrics
+        assert d.status()["daemon"]["handoffs"] == 2
         assert d.stop() == 0
 
 

@@ -39,3 +39,10 @@ def test_a_daemon_that_never_handed_over_shows_its_uptime_only() -> None:
     )
     assert lines == ["    Daemon: kimi-serve 0.1.0, pid 5, up 30 s"]
     assert status.daemon_lines(None, NOW) == []  # an older daemon: no line
+
+
+def test_one_hand_over_is_singular() -> None:
+    last = {"at": NOW - 5, "seconds": 0.5, "from_version": "0.1.0", "outcome": "fallback"}
+    d = {"version": "0.1.0", "pid": 5, "started_at": NOW - 30, "handoffs": 1, "last_handoff": last}
+    (line,) = status.daemon_lines(d, NOW)
+    assert "; 1 hand-over, the last fallback in 0.5 s from 0.1.0, 5 s ago" in line

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.admin import wait
+from supervisor.admin import reexec_command, wait
 from supervisor.admin.wait import Goal
 from supervisor.sglang.loadphases import LoadTimeline
 
@@ -44,13 +44,116 @@ def test_the_old_launch_still_ready_is_not_the_outcome() -> None:
     assert wait.verdict(doc("loading", 5), Goal(launch=5), fresh=True) is None
 
 
-def test_a_hand_over_that_fell_back_is_8_only_when_asked() -> None:
-    st = doc("ready", 5, daemon={"last_handoff": {"outcome": "fell_back_to_restart"}})
-    assert wait.verdict(st, Goal(launch=5), fresh=True) == wait.Outcome(
-        0, "ready (launch 5, profile primary)"
+def handed(
+    state: str, launch: int, at: float | None, outcome: str = "ok", **extra: Any
+) -> dict[str, Any]:
+    last = None if at is None else {"at": at, "outcome": outcome, "from_version": "0.1.0"}
+    if last is not None:
+        last.update(extra.pop("last", {}))
+    daemon = {"version": "0.2.0", "pid": 77, "handoffs": 1, "last_handoff": last}
+    return doc(state, launch, daemon=daemon, **extra)
+
+
+def test_a_hand_over_waits_for_a_last_handoff_other_than_the_one_it_found() -> None:
+    goal = Goal(handover=True, last_at=500.0)
+    # The old program, or the new one still probing SGLang: keep waiting.
+    assert wait.verdict(handed("ready", 3, 500.0), goal, fresh=True) is None
+    assert wait.verdict(handed("ready", 3, None), Goal(handover=True), fresh=True) is None
+    done = handed("ready", 3, 900.0, last={"seconds": 1.25})
+    outcome = wait.verdict(done, goal, fresh=False)
+    assert outcome == wait.Outcome(
+        0,
+        "ready: handed over from kimi-serve 0.1.0 to 0.2.0 in 1.2 s (pid 77); SGLang kept "
+        "running (launch 3, profile primary)",
     )
-    outcome = wait.verdict(st, Goal(launch=5, handover=True), fresh=True)
-    assert outcome is not None and outcome.code == 8
+    # The first hand-over of a daemon: the request found none.
+    assert wait.verdict(done, Goal(handover=True), fresh=False) == outcome
+
+
+def test_a_hand_over_that_fell_back_is_8_with_why_once_the_relaunch_serves() -> None:
+    goal = Goal(handover=True, last_at=None)
+    why = {"why": "the configuration changes SGLang's command line (/etc/k.yaml): relaunching"}
+    assert wait.verdict(handed("loading", 4, 900.0, "fallback", last=why), goal, False) is None
+    outcome = wait.verdict(handed("ready", 4, 900.0, "fallback", last=why), goal, False)
+    assert outcome == wait.Outcome(
+        8,
+        "ready, but the hand-over fell back to a restart: the configuration changes SGLang's "
+        "command line (/etc/k.yaml): relaunching (launch 4, profile primary)",
+    )
+    # ... and a relaunch that ends in `failed` is 1, with its reason.
+    failed = handed("failed", 4, 900.0, "fallback", last=why, detail="crash loop")
+    assert wait.verdict(failed, goal, fresh=False) == wait.Outcome(1, "failed: crash loop")
+    # Without the hand-over goal the fallback is not looked at (restart --wait).
+    assert wait.verdict(handed("ready", 4, 900.0, "fallback"), Goal(), fresh=True) == (
+        wait.Outcome(0, "ready (launch 4, profile primary)")
+    )
+
+
+def test_a_hand_over_that_did_not_exec_is_1_with_why() -> None:
+    st = handed("ready", 3, 900.0, "failed", last={"why": "a StopRequested came first"})
+    outcome = wait.verdict(st, Goal(handover=True, last_at=500.0), fresh=False)
+    assert outcome == wait.Outcome(1, "the hand-over failed, no exec: a StopRequested came first")
+
+
+def test_an_older_daemon_s_hand_over_is_judged_by_the_clock() -> None:
+    # Its answer named no last_handoff: one from before the request is not this one.
+    goal = reexec_command.goal({"accepted": True}, sent_at=1000.0)
+    assert wait.verdict(handed("ready", 3, 990.0), goal, fresh=True) is None
+    outcome = wait.verdict(handed("ready", 3, 1001.0), goal, fresh=True)
+    assert outcome is not None and outcome.code == 0
+
+
+def test_the_goal_comes_from_the_answer() -> None:
+    answer = {"accepted": True, "daemon": {"handoffs": 2, "last_handoff": {"at": 123.5}}}
+    assert reexec_command.goal(answer, 999.0) == Goal(handover=True, last_at=123.5)
+    first = {"accepted": True, "daemon": {"handoffs": 0, "last_handoff": None}}
+    assert reexec_command.goal(first, 999.0) == Goal(handover=True, last_at=None)
+
+
+def test_a_slow_answer_at_the_end_of_the_wait_is_3_not_4() -> None:
+    now = [0.0]
+    answers = iter([handed("ready", 3, 500.0)])
+
+    def get() -> dict[str, Any]:
+        for st in answers:
+            return st
+        now[0] = 31.0  # the read took the rest of the wait
+        raise wait.adminclient.Unreachable("timed out")
+
+    outcome = wait.follow(
+        get,
+        Goal(handover=True, last_at=500.0),
+        30.0,
+        io.StringIO(),
+        clock=lambda: now[0],
+        sleep=lambda s: None,
+    )
+    assert outcome.code == 3 and "not ready after 30 s: timed out" in outcome.message
+    # Refused or reset with time left: the daemon is gone.
+    now[0] = 0.0
+    answers = iter([handed("ready", 3, 500.0)])
+
+    def gone() -> dict[str, Any]:
+        for st in answers:
+            return st
+        raise wait.adminclient.Unreachable("connection refused")
+
+    outcome = wait.follow(
+        gone,
+        Goal(handover=True, last_at=500.0),
+        30.0,
+        io.StringIO(),
+        clock=lambda: now[0],
+        sleep=lambda s: None,
+    )
+    assert outcome.code == 4
+
+
+def test_a_hand_over_s_progress_shows_the_daemon() -> None:
+    line = wait.progress_line(handed("ready", 3, None), 2.0, daemon=True)
+    assert (
+        line == "ready (launch 3, primary), kimi-serve 0.2.0, 1 hand-over, restarts 0, waited 2 s"
+    )
 
 
 def test_undrain_waits_for_the_registration() -> None:
