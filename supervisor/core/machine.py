@@ -60,8 +60,6 @@ SpecCollapsed fallback     .    .    .    .    .    .    RSTR RSTR RSTR .    .  
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from supervisor.config import PRIMARY
 from supervisor.core.context import (
     _REQUESTED as _REQUESTED,
@@ -127,6 +125,7 @@ from supervisor.core.group_rules import (
     group_ready,
     leader_ends,
 )
+from supervisor.core.jobs import EXTEND_BY_S, WatchesEnd, extends_job, watches_end
 from supervisor.core.probe_rules import ProbeRules
 from supervisor.core.states import (
     CHILD_STATES,
@@ -498,34 +497,3 @@ class Machine(ProbeRules, DrainRules):
         ctx.pending = Reason.FATAL_LOG
         ctx.pending_detail = event.line
         return [Transitioned(State.RESTARTING, State.RESTARTING, Reason.FATAL_LOG, event.line)]
-
-
-# Systemd's start job is extended by this much each time, while loading a 10-minute model.
-EXTEND_BY_S = 30.0
-
-
-def extends_job(state: State, ever_ready: bool) -> bool:
-    """Whether systemd's start (or stop) job is still running and must be extended.
-
-    Until the first READY=1 the start job runs: it is extended through loads, probes and the
-    backoffs between them, or a crash loop would time the start out before the fallback profile
-    is ever tried. Not in `failed`: a start that cannot succeed should fail, not hang
-    `systemctl start` for ever.
-    """
-    if state is State.STOPPING:
-        return True
-    return not ever_ready and state in (*STARTUP_STATES, State.RESTARTING)
-
-
-@dataclass(frozen=True)
-class WatchesEnd:
-    """Which watchers of the launch a transition ends."""
-
-    port: bool  # the port watcher (it only matters while launching/loading)
-    tree: bool  # the descendant recorder (kept while a stop may still need the tree)
-
-
-def watches_end(t: Transitioned) -> WatchesEnd:
-    if t.old is State.LOADING or t.new not in (State.LAUNCHING, State.LOADING):
-        return WatchesEnd(port=True, tree=t.new not in (State.RESTARTING, State.STOPPING))
-    return WatchesEnd(port=False, tree=False)
