@@ -7,11 +7,12 @@ docs/quality.md says why each rule is what it is and what was measured on the re
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from supervisor import untrusted
 
 # Degraded reasons (kimi_serve_quality_degraded{reason}), in the order /status lists them.
 CANARY_MISMATCH = "canary_mismatch"
@@ -126,8 +127,9 @@ def parse_answer(body: bytes, elapsed_s: float | None = None) -> Answer | str:
     is not one. `elapsed_s`: the request's wall time, for the measured speed without
     --enable-metrics."""
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        # untrusted.loads: depth, NaN/Infinity and integer length refused before any field is read.
+        doc = untrusted.loads(body)
+    except ValueError:
         return "the answer is not JSON"
     if isinstance(doc, list) and len(doc) == 1:
         doc = doc[0]
