@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import socket
 import threading
 import time
@@ -11,12 +13,30 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Under pytest-xdist (`scripts/test --quick`) each worker hands out ports from its own slice of
+# PORT_BASE.. (below Linux's ephemeral range, 32768-60999, which port 0 draws from), so two
+# workers never both pick a port that one of them released and is about to bind again.
+PORT_BASE, PORTS_PER_WORKER, MAX_WORKERS = 20000, 1500, 8
+_handed_out = itertools.count()
+
 
 def free_port() -> int:
     """A loopback TCP port free right now (tests run side by side: never a fixed port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    base = PORT_BASE + (int(worker[2:]) % MAX_WORKERS) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = base + next(_handed_out) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or still in TIME_WAIT from an earlier test
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + PORTS_PER_WORKER - 1}")
 
 
 def wait_until(
