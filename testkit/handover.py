@@ -37,8 +37,10 @@ def access_lines(d: DaemonProcess) -> Counter[int]:
 class Hammer:
     """A client loop on /readyz (the admin port) and on SGLang itself, counting every answer."""
 
-    def __init__(self, admin: str, sglang: str) -> None:
+    def __init__(self, admin: str, sglang: str, key: str | None = None) -> None:
         self.admin, self.sglang = admin, sglang
+        # A keyed SGLang (sglang.api_key_file) answers only requests that carry its key.
+        self.sglang_headers = {} if key is None else {"Authorization": f"Bearer {key}"}
         self.codes: Counter[str] = Counter()
         self.sent = 0
         self.failed = 0  # requests to SGLang that did not answer 200
@@ -63,7 +65,8 @@ class Hammer:
                 self.slowest_s = max(self.slowest_s, time.monotonic() - began)
                 self.sent += 1
                 try:
-                    ok = c.get(f"{self.sglang}/get_model_info?n={self.sent}").status_code == 200
+                    info = f"{self.sglang}/get_model_info?n={self.sent}"
+                    ok = c.get(info, headers=self.sglang_headers).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 self.failed += not ok

@@ -417,7 +417,11 @@ def real_daemon(tmp: Path, cfg: dict[str, Any]) -> Iterator[Real]:
 
 
 def generate(
-    url: str, max_new_tokens: int, text: str = "Tell me a story.", timeout: float = 300.0
+    url: str,
+    max_new_tokens: int,
+    text: str = "Tell me a story.",
+    timeout: float = 300.0,
+    key: str | None = None,
 ) -> dict[str, Any]:
     r = httpx.post(
         url + "/generate",
@@ -429,6 +433,7 @@ def generate(
                 "ignore_eos": True,
             },
         },
+        headers={} if key is None else {"Authorization": f"Bearer {key}"},
         timeout=timeout,
     )
     r.raise_for_status()

@@ -178,10 +178,38 @@ def probed(d: Daemon) -> None:
         return
     seconds = time.monotonic() - ho.awaiting_probe
     ho.awaiting_probe = None
+    ho.probe_error = None
     ho.ended("ok", seconds)
     d.log.info(
         "hand-over complete", seconds=round(seconds, 3), state=d.parts.machine.ctx.state.value
     )
+    d.notifier.ready(d.status_line())
+
+
+def probe_failed(d: Daemon, why: str) -> None:
+    """A decode probe of the adopted launch failed before any succeeded: the hand-over is not
+    complete (liveness's own threshold decides about SGLang); kept for `relaunched`."""
+    ho = d.handover
+    if ho.awaiting_probe is None:
+        return
+    ho.probe_error = why
+    d.log.warning("hand-over: the adopted launch's decode probe failed", error=why)
+
+
+def relaunched(d: Daemon) -> None:
+    """SGLang was launched anew before the adopted launch answered a decode probe: the hand-over
+    fell back to a restart (counted so; READY=1 ends systemd's reload job)."""
+    ho = d.handover
+    if ho.awaiting_probe is None:
+        return
+    seconds = time.monotonic() - ho.awaiting_probe
+    ho.awaiting_probe = None
+    why = "the adopted SGLang never answered a decode probe; it was restarted"
+    if ho.probe_error:
+        why = f"{why} (last probe: {ho.probe_error})"
+    ho.probe_error = None
+    ho.ended("fallback", seconds, why)
+    d.log.warning("hand-over fell back to a restart", why=why)
     d.notifier.ready(d.status_line())
 
 

@@ -122,6 +122,7 @@ class Handover:
     cause: BaseException | None = None
     # Set by `adopt` until the adopted launch's first decode answered: then READY=1.
     awaiting_probe: float | None = None
+    probe_error: str | None = None  # the adopted launch's last failed probe, while awaiting
     _exec_at: float | None = None
     _from_version: str | None = None
 

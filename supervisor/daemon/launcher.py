@@ -109,8 +109,13 @@ class Launcher:
 
     def adopted(self, child: Child, spec: LaunchSpec, profile: str) -> None:
         """A launch a hand-over passed on (daemon.handover.adopt): watched as if launched here,
-        but neither counted as a start nor given a port watch (it serves already)."""
+        but neither counted as a start nor given a port watch (it serves already). Its requests
+        carry the key that launch was given, as a launch's do."""
         self.child, self.spec = child, spec
+        key, problem = sglang_key.launched_key(self.cfg)
+        if problem:
+            self.log.error("hand-over: SGLang's API key", error=problem)
+        self._send_key(key)
         self.observed.child = child
         self._save_record(child, profile)
         self._tree_watch = self.spawn(self._watch_tree(child))
@@ -146,10 +151,14 @@ class Launcher:
             self.log.error("launch failed", error=msg)
             self.emit(LaunchFailed(launch, msg))
             return False
+        self._send_key(key)
+        return True
+
+    def _send_key(self, key: str | None) -> None:
+        """`key` on every request of the probes' client to SGLang (none: no Authorization)."""
         if self.http is not None:
             base = server_url(self.cfg.sglang.host, self.cfg.sglang.port)
             self.http.auth = httpx.Auth() if key is None else sglang_key.Bearer(base, key)
-        return True
 
     def _save_record(self, child: Child, profile: str) -> None:
         try:

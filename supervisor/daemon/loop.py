@@ -334,8 +334,12 @@ class Daemon:
             case ev.ProbeDone(kind=ProbeKind.READINESS) if item.result.ok:
                 now, took = self.clock(), item.result.latency_s
                 self.metrics.set_load_phases(self.recorder.probe_ok(now, took))
-            case ev.ProbeDone(kind=ProbeKind.LIVENESS):
+            case ev.ProbeDone(kind=ProbeKind.LIVENESS) if item.result.ok:
                 adoption.probed(self)  # READY=1 after a hand-over's first decode
+            case ev.ProbeDone(kind=ProbeKind.LIVENESS):
+                adoption.probe_failed(self, item.result.error or item.result.reason or "failed")
+            case ev.Launched():
+                adoption.relaunched(self)  # a hand-over still probing SGLang fell back
 
     def _cancel_timer(self, name: TimerName) -> None:
         handle = self._timers.pop(name, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Generator
 
@@ -86,6 +87,49 @@ def write_secrets(state_dir: str, key: str) -> str:
             os.unlink(tmp)
         raise
     return target
+
+
+def launched_key(cfg: Config) -> tuple[str | None, str | None]:
+    """The key a running SGLang was launched with, for the daemon that adopts it after a
+    hand-over, and what went wrong finding it (None when nothing did). With
+    `sglang.api_key_file`: the key the launch wrote into `<state_dir>/sglang-secrets.yaml`
+    (SGLang read it then; the key file may have changed since), else the key file's; without:
+    the `api-key` of sglang.args. The secrets file is read as hostile input: at most
+    MAX_KEY_BYTES, a mapping whose `api-key` is one printable string."""
+    if cfg.sglang.api_key_file:
+        written = _written_key(secrets_path(cfg.state_dir))
+        if written is not None:
+            return written, None
+    try:
+        return configured_key(cfg), None
+    except KeyFileError as exc:
+        return None, f"sglang.api_key_file: {exc}"
+
+
+def _written_key(path: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        raw = f.read(MAX_KEY_BYTES + 1)
+    if len(raw) > MAX_KEY_BYTES:
+        return None
+    try:
+        doc = yaml.safe_load(raw.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError):
+        return None
+    key = doc.get("api-key") if isinstance(doc, dict) else None
+    if (
+        not isinstance(key, str)
+        or not key
+        or not all(c.isprintable() and not c.isspace() for c in key)
+    ):
+        return None
+    return key
 
 
 class Bearer(httpx.Auth):
