@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from supervisor import __version__
-from supervisor.core.machine import ProbeKind, Reason, State
+from supervisor.core.machine import ProbeKind, Reason, Regression, State
 from supervisor.quality import DEGRADED_REASONS as QUALITY_REASONS
 from supervisor.sglang.logscan import Stream
 from supervisor.sglang.probe import FAILURE_REASONS
@@ -25,7 +25,16 @@ ROUTER_OPS = ("register", "deregister", "list", "drain")
 # Decode probes: tens of ms on an idle H200 with EAGLE, up to the 30 s timeout under load.
 # The admin endpoints that need the token, so their denied series exist from the first scrape
 # (admin/app.py's route table is the authority; a test keeps the two in step).
-ADMIN_PROTECTED_ENDPOINTS = ("/restart", "/drain", "/undrain", "/status", "/group", "/group/end")
+ADMIN_PROTECTED_ENDPOINTS = (
+    "/restart",
+    "/drain",
+    "/undrain",
+    "/status",
+    "/group",
+    "/group/end",
+    "/upgrade/accept",
+    "/upgrade/rollback",
+)
 # The label of a refused request to a path no route has (supervisor/admin/app.py, _endpoint):
 # created with the others, so it reads 0 from the first scrape.
 ADMIN_OTHER_ENDPOINT = "other"
@@ -133,6 +142,27 @@ class Metrics:
         )
         for outcome in ("ok", "fallback", "failed"):  # series present from the first scrape
             self.handoffs.labels(outcome)
+        self.trial = _gauge(
+            r,
+            "kimi_serve_trial",
+            "1 while the launch is a trial: it differs from the last known good of its profile "
+            "(SGLang, model files, argv, env) and has not yet served quality.trial_period.",
+        )
+        self.rollbacks = _counter(
+            r,
+            "kimi_serve_rollbacks",
+            "Rollbacks to the last known good, by what the trial regressed on (canary, "
+            "known_answers, speed, accept_length, crash_loop, manual).",
+            ["regression"],
+        )
+        for regression in Regression:  # present from the first scrape: increase() sees a first
+            self.rollbacks.labels(regression.value)
+        self.lkg_serving = _gauge(
+            r,
+            "kimi_serve_lkg_serving",
+            "1 while launches run the last known good's command instead of the config's "
+            "(after a rollback, until a reload or kimi-serve upgrade accept).",
+        )
         self.probe_duration = _histogram(
             r,
             "kimi_serve_probe_duration_seconds",

@@ -18,6 +18,7 @@ def kimi_serve(*args: str, unprivileged: bool = False) -> subprocess.CompletedPr
     done = subprocess.run(
         [*(NO_DAC if unprivileged else []), str(BIN), *args],
         capture_output=True,
+        stdin=subprocess.DEVNULL,  # never a terminal: a command that asks must not wait
         text=True,
         timeout=30,
         env=env,

@@ -72,6 +72,10 @@ CONTRACT_METRICS: dict[str, str] = {
     "kimi_serve_restart_downtime_seconds": "histogram",
     # Hand-over section of the contract.
     "kimi_serve_handoffs_total": "counter",
+    # Verified changes section of the contract (kimi_serve_lkg_serving: an addition, README).
+    "kimi_serve_trial": "gauge",
+    "kimi_serve_rollbacks_total": "counter",
+    "kimi_serve_lkg_serving": "gauge",
 }
 
 

@@ -47,6 +47,9 @@ class GroupEndpoint(Protocol):
     def end_requested(self, body: Any) -> dict[str, Any]: ...
 
 
+UPGRADE_OPS = ("accept", "rollback")  # POST /upgrade/<op> (kimi-serve upgrade)
+
+
 class AdminBackend(Protocol):
     cfg: Config  # admin.token_file
     metrics: Metrics  # admin_denied
@@ -58,6 +61,8 @@ class AdminBackend(Protocol):
     def request_restart(self) -> str | None: ...
     # The number of the launch a restart accepted now relaunches (POST /restart's `launch`).
     def next_launch(self) -> int: ...
+    # POST /upgrade/accept|rollback: None when queued, else why it is refused.
+    def request_upgrade(self, op: str) -> str | None: ...
 
 
 class Reexec(Protocol):
@@ -288,6 +293,19 @@ def build_app(
         # `launch`: the relaunch's number; `restart --wait` waits for that one to be ready.
         return web.json_response({"accepted": True, "launch": launch}, status=202)
 
+    def upgrade(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def run(_: web.Request) -> web.Response:
+            return answer_upgrade(op)
+
+        return run
+
+    def answer_upgrade(op: str) -> web.Response:
+        refused = backend.request_upgrade(op)
+        if refused:
+            return web.json_response({"accepted": False, "error": refused}, status=409)
+        launch = backend.next_launch()
+        return web.json_response({"accepted": True, "requested": op, "launch": launch}, status=202)
+
     async def reexec(request: web.Request) -> web.StreamResponse:
         if on_reexec is None:
             error = "reexec is not supported by this daemon"
@@ -355,6 +373,7 @@ def build_app(
             web.post("/drain", operation("drain", on_drain)),
             web.post("/undrain", operation("undrain", on_undrain)),
             web.post("/reexec", reexec),
+            *(web.post(f"/upgrade/{op}", upgrade(op)) for op in UPGRADE_OPS),
             web.get("/group", group_view),
             web.post("/group/end", group_end),
         ]

@@ -159,6 +159,13 @@ def render(doc: dict[str, Any], now: float) -> str:
     quality = quality_line(doc.get("quality"))
     if quality:
         out.append(f"   Quality: {quality}")
+    upgrade = doc.get("upgrade")
+    if isinstance(upgrade, dict) and upgrade.get("state") not in (None, "none"):
+        loud = "ROLLED BACK: serving the last known good, not the config; " * bool(
+            upgrade.get("serving_lkg")
+        )
+        why = f" ({upgrade['why']})" if upgrade.get("why") else ""
+        out.append(f"   Upgrade: {loud}{upgrade.get('state')}{why} (kimi-serve upgrade status)")
     intent = doc.get("intent") or {}
     for m in intent.get("mismatches") or []:
         out.append(

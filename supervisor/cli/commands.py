@@ -303,6 +303,19 @@ def cmd_operation(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return control.run(control.request_of(args, base, token_file), out, err)
 
 
+def cmd_upgrade(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from supervisor.admin import upgrade_command
+
+    if args.url and args.token_file:
+        return upgrade_command.run(args, args.url, args.token_file, sys.stdin, out, err)
+    cfg = _load(args, err)
+    if cfg is None:
+        return EX_CONFIG
+    base = args.url or f"http://{cfg.admin.listen}"
+    token_file = args.token_file or cfg.admin.token_file
+    return upgrade_command.run(args, base, token_file, sys.stdin, out, err)
+
+
 def cmd_incidents(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import incidents
     from supervisor.incidents import cli as incidents_cli

@@ -23,6 +23,7 @@ from supervisor.cli.commands import (
     cmd_probe,
     cmd_run,
     cmd_status,
+    cmd_upgrade,
 )
 
 
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="FILE", help=token_help)
     for name in control.ANSWER_TIMEOUT:
         control.arguments(add(name, cmd_operation, control.WHAT[name]), name)
+    from supervisor.admin import upgrade_command
+
+    p = add("upgrade", cmd_upgrade, upgrade_command.WHAT)
+    upgrade_command.arguments(p, token_help)
     p = add(
         "incidents",
         cmd_incidents,

@@ -13,9 +13,11 @@ no converter here: its row documents it and names it as known.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from supervisor.config.convert import (
@@ -46,6 +48,17 @@ from supervisor.config.convert import (
 RESTART_MODES = ("relaunch", "exit")
 CANARY_POLICIES = ("gate", "alert")
 SPEC_COLLAPSE_ACTIONS = ("alert", "fallback")
+
+
+class TrialAction(StrEnum):
+    """quality.on_trial_regression: what a regressed trial does (core/upgrade_rules.py)."""
+
+    ROLLBACK = "rollback"  # relaunch the last known good
+    HOLD = "hold"  # never ready
+    ALERT = "alert"  # ready, reported
+
+
+TRIAL_REGRESSION_ACTIONS = tuple(a.value for a in TrialAction)
 # Where the state lives without systemd's StateDirectory= ($STATE_DIRECTORY).
 FALLBACK_STATE_DIR = "/var/lib/kimi-serve"
 
@@ -75,6 +88,15 @@ def _canary_prompt(value: object) -> str:
     if not text.strip():
         raise ValueError("must not be empty (null: the default prompt)")
     return text
+
+
+def _trial_ratio(value: object) -> float:
+    """A fraction of the last known good's reading (0 < r <= 1); 0 turns the check off."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{value} is out of range 0-1 (a fraction of the last known good's)")
+    return float(value)
 
 
 def _known_answers(value: object) -> tuple[tuple[str, str], ...]:
@@ -393,6 +415,23 @@ SETTINGS: tuple[Setting, ...] = (
     S("quality.on_spec_collapse", _choice(*SPEC_COLLAPSE_ACTIONS), "alert",
       "`alert`: reported only; `fallback`: relaunched on `restart.fallback_profile` (reason "
       "`spec_collapse`, an incident); back on the primary on a reload"),
+    S("quality.trial_period", _positive_duration, "10m",
+      "a launch that passed its checks and served this long becomes the last known good "
+      "(`<state_dir>/upgrade/lkg.json`); a launch that differs from it (interpreter, SGLang "
+      "version, model files, argv, env) is a trial "
+      "([docs/quality.md](docs/quality.md#trials-and-the-last-known-good))"),
+    S("quality.trial_slowdown", _trial_ratio, 0.8,
+      "a trial whose single-stream decode tokens/s at the gate (idle, the fixed prompts) is "
+      "below this x the last known good's, measured the same way, regressed; 0: not judged"),
+    S("quality.trial_accept_drop", _trial_ratio, 0.8,
+      "with speculative decoding: a trial whose accept length at the gate is below this x "
+      "the last known good's regressed; 0: not judged"),
+    S("quality.on_trial_regression", _choice(*TRIAL_REGRESSION_ACTIONS), "rollback",
+      "`rollback`: relaunch the last known good (reason `trial_regressed`, an incident, alert "
+      "`KimiServeRolledBack`; with no verifiable last known good a wrong answer is "
+      "`canary_mismatch` and a slower trial serves, `regressed`); `hold`: never ready "
+      "(`failed`, SGLang stopped, until an operator decides); `alert`: ready, the regression "
+      "reported"),
 )  # fmt: skip
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

@@ -230,6 +230,10 @@ class QualityConfig:
     known_answers: tuple[tuple[str, str], ...] = default("quality.known_answers")
     spec_accept_floor: float = default("quality.spec_accept_floor")
     on_spec_collapse: str = default("quality.on_spec_collapse")  # alert | fallback
+    trial_period: float = default("quality.trial_period")
+    trial_slowdown: float = default("quality.trial_slowdown")
+    trial_accept_drop: float = default("quality.trial_accept_drop")
+    on_trial_regression: str = default("quality.on_trial_regression")  # rollback | hold | alert
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from supervisor.config import PRIMARY, Config
 from supervisor.core.events import Action, CancelTimer, Transitioned
-from supervisor.core.states import EDGES, Reason, State, TimerName
+from supervisor.core.states import EDGES, Reason, State, TimerName, TrialVerdict, UpgradeState
 
 # Restarts an operator asked for: SGLang drains (SIGTERM, stop.drain_timeout), and they neither
 # back off nor count towards a crash loop. Every other reason means the server is already
@@ -61,6 +61,31 @@ class Context:
     handing_over: bool = False
     # An effect of the daemon failed: it stops cleanly, and exits 1 whatever the stop's own code.
     internal_error: bool = False
+    # The last known good and the trial (core/upgrade_rules.py).
+    upgrade: UpgradeState = UpgradeState.NONE
+    upgrade_why: str = ""
+    # The profiles with a last known good, and its gate readings (tokens/s, accept length).
+    lkgs: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    compared: bool = False  # LaunchCompared of the current launch came (or it has no LKG)
+    has_lkg: bool = False  # the launch's profile has a last known good
+    trial: bool = False  # the launch (the config's, on its profile) differs from it
+    lkg_tps: float | None = None  # the last known good's gate readings
+    lkg_accept: float | None = None
+    rollback_refusal: str | None = None  # why the last known good cannot be relaunched
+    on_lkg: bool = False  # launches run the last known good's command (until reload, accept)
+    # The profile a rollback in force was made on: its launches run its last known good. The
+    # fallback profile is launched from the config (on_lkg False); back on this profile (a
+    # restart), the last known good again, never the trial.
+    rolled_back: str | None = None
+    holding: bool = False  # the child being stopped is a held trial: `failed` once it is gone
+    accept_next: bool = False  # an operator accepted: the next launch is taken as it is
+    awaiting_lkg: bool = False  # passed its gate: promoted once it served trial_period
+    regressed: bool = False  # this launch regressed (on_trial_regression alert): never promoted
+    # The trial's verdict at its gate (/status.upgrade.trial.verdict): pass, regressed or
+    # inconclusive (its speed read while SGLang was busy); None before the gate.
+    verdict: TrialVerdict | None = None
+    gate_tps: float | None = None  # the launch's gate readings, recorded if it is promoted
+    gate_accept: float | None = None
 
 
 class MachineBase:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from supervisor.core.states import ProbeKind, Reason, State, TimerName
+from supervisor.core.states import ProbeKind, Reason, Regression, State, TimerName, UpgradeState
 from supervisor.sglang.probe import ProbeResult, Progress
 
 # ---------------------------------------------------------------------------------- events
@@ -90,6 +90,13 @@ class ProbeDone:
     # SGLang's counters as read beside the probe (probing.decode), for the quality readings;
     # not part of the verdict.
     progress_before: Progress | None = field(default=None, compare=False)
+    # The launch's single-stream decode speed and accept length at the gate (readiness, idle,
+    # the fixed prompts): what a trial is judged on against the last known good. None: not
+    # measured (busy, no canary, no speculation).
+    gate_tps: float | None = None
+    gate_accept: float | None = None
+    # The mismatch is a known answer's (quality.known_answers), not the golden's.
+    known_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,46 @@ class GroupEnded:
     detail: str
 
 
+@dataclass(frozen=True)
+class LaunchCompared:
+    """The launch against the last known good of its profile (daemon/upgrades.py), before its
+    gate: what differs (interpreter, SGLang version, model files, argv, env), in words; () the
+    same. `refusal`: why the last known good cannot be relaunched as it was (its interpreter
+    or model files changed in place, its configuration has no root-owned source), or None."""
+
+    launch: int
+    has_lkg: bool
+    differs: tuple[str, ...] = ()
+    lkg_tps: float | None = None
+    lkg_accept: float | None = None
+    refusal: str | None = None
+
+
+class UpgradeOp(StrEnum):
+    ACCEPT = "accept"  # the trial (or the config a rollback left) is taken as the last known good
+    ROLLBACK = "rollback"  # relaunch the last known good now
+
+
+@dataclass(frozen=True)
+class UpgradeRequested:
+    """POST /upgrade/accept or /upgrade/rollback (`kimi-serve upgrade`)."""
+
+    op: UpgradeOp
+
+
+@dataclass(frozen=True)
+class LkgKnown:
+    """A last known good of a profile, read from the store when the daemon starts
+    (daemon/upgrades.py): launches of that profile are compared with it before their gate."""
+
+    profile: str
+    tps: float | None
+    accept: float | None
+
+
 Event = (
     Start
+    | LkgKnown
     | HostReady
     | HostNotReady
     | GpuUnfit
@@ -202,6 +247,8 @@ Event = (
     | UndrainRequested
     | GroupEnded
     | SpecCollapsed
+    | LaunchCompared
+    | UpgradeRequested
 )
 
 
@@ -225,6 +272,7 @@ class CleanHost:
 class Launch:
     launch: int
     profile: str
+    lkg: bool = False  # the last known good's command (rebuilt from a root-owned source)
 
 
 @dataclass(frozen=True)
@@ -321,6 +369,36 @@ class RouterDeregister:
     wait_idle: bool  # then wait for SGLang's running + queued requests to reach 0
 
 
+@dataclass(frozen=True)
+class RecordLkg:
+    """The launch passed its checks and served quality.trial_period (or an operator accepted
+    it): it becomes the last known good of its profile, with its gate readings."""
+
+    launch: int
+    profile: str
+    tps: float | None
+    accept: float | None
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """A trial regressed (or crash-looped, or an operator asked): the last known good is
+    relaunched next. Counted (kimi_serve_rollbacks_total{regression}), logged, an incident."""
+
+    launch: int
+    regression: Regression
+    why: str
+
+
+@dataclass(frozen=True)
+class UpgradeChanged:
+    """/status.upgrade and kimi_serve_trial follow the machine's view of the launch."""
+
+    state: UpgradeState
+    trial: bool
+    why: str
+
+
 Action = (
     Transitioned
     | CleanHost
@@ -339,4 +417,7 @@ Action = (
     | Exit
     | RouterRegister
     | RouterDeregister
+    | RecordLkg
+    | RolledBack
+    | UpgradeChanged
 )

@@ -90,8 +90,10 @@ from supervisor.core.events import (
     HostNotReady,
     HostReady,
     Launch,
+    LaunchCompared,
     Launched,
     LaunchFailed,
+    LkgKnown,
     NotifyReady,
     NotifyReloaded,
     NotifyReloading,
@@ -100,9 +102,11 @@ from supervisor.core.events import (
     ProfileChanged,
     ReadConfig,
     ReadyLine,
+    RecordLkg,
     RecordRestart,
     ReloadRequested,
     RestartRequested,
+    RolledBack,
     RouterDeregister,
     RouterRegister,
     SetTimer,
@@ -114,6 +118,9 @@ from supervisor.core.events import (
     TimerFired,
     Transitioned,
     UndrainRequested,
+    UpgradeChanged,
+    UpgradeOp,
+    UpgradeRequested,
     Verdict,
 )
 from supervisor.core.group_rules import (
@@ -130,13 +137,17 @@ from supervisor.core.probe_rules import ProbeRules
 from supervisor.core.states import (
     CHILD_STATES,
     EDGES,
+    HOST_CHECK,
     PROBED,
     SERVING,
     STARTUP_STATES,
     ProbeKind,
     Reason,
+    Regression,
     State,
     TimerName,
+    TrialVerdict,
+    UpgradeState,
 )
 from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
 
@@ -171,8 +182,10 @@ __all__ = [
     "HostReady",
     "IllegalTransition",
     "Launch",
+    "LaunchCompared",
     "LaunchFailed",
     "Launched",
+    "LkgKnown",
     "Machine",
     "NotifyReady",
     "NotifyReloaded",
@@ -185,9 +198,12 @@ __all__ = [
     "ReadConfig",
     "ReadyLine",
     "Reason",
+    "RecordLkg",
     "RecordRestart",
+    "Regression",
     "ReloadRequested",
     "RestartRequested",
+    "RolledBack",
     "RouterDeregister",
     "RouterRegister",
     "SetTimer",
@@ -200,7 +216,12 @@ __all__ = [
     "TimerFired",
     "TimerName",
     "Transitioned",
+    "TrialVerdict",
     "UndrainRequested",
+    "UpgradeChanged",
+    "UpgradeOp",
+    "UpgradeRequested",
+    "UpgradeState",
     "Verdict",
     "WatchesEnd",
     "epoch_running",
@@ -214,16 +235,15 @@ __all__ = [
 ]
 
 
-# The states whose next step is a cleaning's answer (HostReady, HostNotReady, GpuUnfit).
-HOST_CHECK = frozenset({State.CLEANING, State.WAITING})
 # The transition reason of `waiting`: a model or draft model path is missing.
 MODEL_MISSING = "model_missing"
 
 
 class Machine(ProbeRules, DrainRules):
     """Every decision, by concern: `Context` (core/context.py), the restarts
-    (core/restart_rules.py), the probes (core/probe_rules.py), drain and router
-    (core/drain_rules.py), and here the entry point and the rest of the events."""
+    (core/restart_rules.py), the trials and the last known good (core/upgrade_rules.py), the
+    probes (core/probe_rules.py), drain and router (core/drain_rules.py), and here the entry
+    point and the rest of the events."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -333,6 +353,13 @@ class Machine(ProbeRules, DrainRules):
                 return self._child_gone(event, now)
             case TimerFired() if self._current(event.launch):
                 return self._timer(event, now)
+            case LaunchCompared() if self._current(event.launch):
+                return self._compared(event)
+            case LkgKnown():
+                self.ctx.lkgs[event.profile] = (event.tps, event.accept)
+                return []
+            case UpgradeRequested():
+                return self._upgrade_requested(event, now)
             case RestartRequested():
                 return self._requested(event, now)
             case ReloadRequested():
@@ -356,7 +383,9 @@ class Machine(ProbeRules, DrainRules):
         # Unchanged while `failed`: `failed` lasts until a reload, and the operator fixed the
         # host, not the file. Unchanged on the fallback profile: back to primary (the runbook's
         # way back after a fix outside the file, a draft model or the SGLang venv).
+        # A reload also ends a rollback or a hold: the config is a new trial, launched again.
         unchanged = event.verdict is Verdict.UNCHANGED and self.ctx.profile == PRIMARY
+        unchanged = not self._reloaded() and unchanged
         if unchanged and self.ctx.state is not State.FAILED:
             return [NotifyReloaded(ready)]
         again = RestartRequested(Reason.RELOAD, back_to_primary=True)
@@ -407,9 +436,22 @@ class Machine(ProbeRules, DrainRules):
         ctx.pending = None
         ctx.host_message = ""
         ctx.host_retries = 0
+        # Without a last known good of its profile there is nothing to compare it with.
+        ctx.compared = ctx.profile not in ctx.lkgs
+        was_trial = ctx.trial
+        ctx.has_lkg = ctx.trial = ctx.regressed = ctx.awaiting_lkg = False
+        ctx.rollback_refusal = None
+        ctx.gate_tps = ctx.gate_accept = ctx.verdict = None
+        notes: list[Action] = []
+        if ctx.compared and (was_trial or ctx.upgrade is not UpgradeState.NONE):
+            # Nothing to compare it with (the fallback profile has no LKG yet): no trial.
+            why = f"no last known good yet for profile {ctx.profile}"
+            notes = self._upgrade_is(UpgradeState.NONE, why)
+        what = f"profile {ctx.profile}" + (", the last known good" if ctx.on_lkg else "")
         return [
-            *self._to(State.LAUNCHING, "host_ready", now, f"profile {ctx.profile}"),
-            Launch(ctx.launch, ctx.profile),
+            *self._to(State.LAUNCHING, "host_ready", now, what),
+            *notes,
+            Launch(ctx.launch, ctx.profile, lkg=ctx.on_lkg),
         ]
 
     def _timer(self, event: TimerFired, now: float) -> list[Action]:
@@ -435,38 +477,6 @@ class Machine(ProbeRules, DrainRules):
             case TimerName.BACKOFF if ctx.state is State.RESTARTING and not ctx.child:
                 return [*self._to(State.CLEANING, "backoff_elapsed", now), CleanHost()]
         return []
-
-    def _requested(self, event: RestartRequested, now: float) -> list[Action]:
-        ctx = self.ctx
-        if ctx.state in (State.STOPPING, State.STOPPED):
-            return []
-        actions: list[Action] = []
-        # An operator's restart is the runbook's "back to primary" as much as a reload is.
-        primary = event.back_to_primary or event.reason is Reason.MANUAL
-        if primary and ctx.profile != PRIMARY:
-            actions.append(ProfileChanged(ctx.profile, PRIMARY))
-            ctx.profile = PRIMARY
-        if primary or ctx.state is State.FAILED:
-            ctx.restarts.clear()
-            ctx.backoff = self.cfg.restart.backoff_initial
-        if ctx.state is State.FAILED:
-            return [
-                *actions,
-                RecordRestart(event.reason, None, None, "requested"),
-                *self._to(State.CLEANING, event.reason, now),
-                CleanHost(),
-            ]
-        if ctx.state is State.RESTARTING and not ctx.child:
-            # Waiting out a backoff: go now.
-            return [
-                *actions,
-                CancelTimer(TimerName.BACKOFF),
-                *self._to(State.CLEANING, event.reason, now),
-                CleanHost(),
-            ]
-        if ctx.state in (State.STARTING, *HOST_CHECK, State.RESTARTING):
-            return actions  # nothing runs yet (or a stop is already under way)
-        return [*actions, *self._restart(event.reason, now, "requested")]
 
     def _stop(self, event: StopRequested, now: float) -> list[Action]:
         ctx = self.ctx

@@ -13,18 +13,17 @@ from supervisor.core.events import (
     NotifyReady,
     PortOpen,
     ProbeDone,
-    ProfileChanged,
     ReadyLine,
     SetTimer,
     SpecCollapsed,
     StartProbe,
     Transitioned,
 )
-from supervisor.core.restart_rules import RestartRules
 from supervisor.core.states import PROBED, ProbeKind, Reason, State, TimerName
+from supervisor.core.upgrade_rules import UpgradeRules
 
 
-class ProbeRules(RestartRules):
+class ProbeRules(UpgradeRules):
     """Up, ready, degraded or restarted, from what the launch shows (failures restart it)."""
 
     def _server_up(self, event: PortOpen | ReadyLine, now: float) -> list[Action]:
@@ -69,10 +68,9 @@ class ProbeRules(RestartRules):
             return []
         if ctx.profile == fallback:
             return []  # already there: reported only
-        old, ctx.profile = ctx.profile, fallback
         ctx.restarts.clear()
         return [
-            ProfileChanged(old, fallback),
+            self._change_profile(fallback),
             *self._restart(Reason.SPEC_COLLAPSE, now, event.detail),
         ]
 
@@ -95,22 +93,35 @@ class ProbeRules(RestartRules):
         r = event.result
         if event.kind is ProbeKind.READINESS and ctx.state is State.WARMING:
             ccfg = self.cfg.quality.canary
-            if r.ok and event.canary_mismatch and ccfg.policy == "gate":
+            if r.ok and not ctx.compared:
+                # Not judged before it is known whether the launch is a trial (LaunchCompared,
+                # which comes long before a real load ends).
+                return [SetTimer(TimerName.PROBE_RETRY, PROBE_RETRY_DELAY, ctx.launch)]
+            if r.ok and event.canary_unavailable and ccfg.policy == "gate":
+                return self._canary_unavailable(event.canary_unavailable, now)
+            regression = self._gate_regression(event) if r.ok else None
+            notes: list[Action] = []
+            if regression is not None:
+                acted = self._trial_regressed(*regression, now)
+                if acted is not None:
+                    return acted
+                notes = self._alerted(*regression)
+            elif r.ok and event.canary_mismatch and ccfg.policy == "gate":
                 # Never ready on a wrong answer; counts towards the crash loop like any other
                 # unrequested restart, so the fallback profile is tried.
                 return self._restart(Reason.CANARY_MISMATCH, now, event.canary_mismatch)
-            if r.ok and event.canary_unavailable and ccfg.policy == "gate":
-                return self._canary_unavailable(event.canary_unavailable, now)
             if r.ok:
                 ctx.ready_at = now
                 ctx.ever_ready = True
                 ctx.canary_at = now
                 return [
+                    *notes,
                     *self._to(State.READY, "probe_ok", now, f"{r.completion_tokens} tokens"),
                     CancelTimer(TimerName.LOAD),
                     NotifyReady(),
                     SetTimer(TimerName.LIVENESS, self.cfg.liveness.interval, ctx.launch),
                     CheckIntent(ctx.launch, r),
+                    *self._after_gate(event, now),
                 ]
             if r.not_up or event.busy:
                 # Not serving yet (503, refused) or busy: try again until load_timeout.
@@ -131,6 +142,8 @@ class ProbeRules(RestartRules):
                 ctx.liveness_failures = 0
                 if ctx.state is State.DEGRADED:
                     actions = [*self._to(State.READY, "probe_ok", now), *actions]
+                if not event.canary_mismatch:
+                    actions += self._maybe_promote(now)
                 return actions
             if event.busy:
                 # A busy server is not a failed one: generation advanced while we waited.

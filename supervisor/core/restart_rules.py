@@ -5,6 +5,7 @@ to the orchestrator. No I/O. A part of `Machine` (supervisor/core/machine.py), w
 
 from __future__ import annotations
 
+from supervisor.config import PRIMARY
 from supervisor.core.context import _REQUESTED, MachineBase, _how
 from supervisor.core.events import (
     Action,
@@ -16,10 +17,11 @@ from supervisor.core.events import (
     HostReady,
     ProfileChanged,
     RecordRestart,
+    RestartRequested,
     SetTimer,
     StopChild,
 )
-from supervisor.core.states import CHILD_STATES, Reason, State, TimerName
+from supervisor.core.states import CHILD_STATES, HOST_CHECK, Reason, State, TimerName
 from supervisor.exits import EX_RESTART_BY_ORCHESTRATOR
 
 
@@ -98,10 +100,16 @@ class RestartRules(MachineBase):
         rcfg = self.cfg.restart
         actions: list[Action] = [RecordRestart(reason, exit_code, sig, ctx.pending_detail)]
         ctx.pending = None
+        if ctx.holding:  # a regressed trial on hold (quality.on_trial_regression): never ready
+            ctx.holding = False
+            return [*actions, *self._to(State.FAILED, reason, now, ctx.upgrade_why)]
         if reason in _REQUESTED:
             return [*actions, *self._to(State.CLEANING, reason, now), CleanHost()]
         if rcfg.mode == "exit":
             return [*actions, *self._hand_over(reason, now)]
+        if reason is Reason.TRIAL_REGRESSED:
+            # Rolled back: the last known good at once, neither backed off nor counted.
+            return [*actions, *self._to(State.CLEANING, reason, now), CleanHost()]
         # A launch that served for `stable_after` earns a fresh backoff.
         if ctx.ready_at is not None and now - ctx.ready_at >= rcfg.stable_after:
             ctx.backoff = rcfg.backoff_initial
@@ -110,29 +118,73 @@ class RestartRules(MachineBase):
             ctx.restarts.popleft()
         if len(ctx.restarts) >= rcfg.crash_loop.max_restarts:
             fallback = rcfg.fallback_profile
-            if fallback and ctx.profile != fallback:
-                actions.append(ProfileChanged(ctx.profile, fallback))
-                ctx.profile = fallback
+            n, window = rcfg.crash_loop.max_restarts, rcfg.crash_loop.window
+            loop = f"{n} restarts within {window:g}s on profile {ctx.profile}"
+            # A crash-looping trial is rolled back first; the last known good then gets the
+            # ordinary handling (the fallback profile, then `failed`), never the trial again.
+            rolled = None if ctx.on_lkg else self._crash_loop_rollback(loop)
+            if rolled is not None:
+                actions += rolled
+            elif fallback and ctx.profile != fallback:
+                actions.append(self._change_profile(fallback))
                 ctx.restarts.clear()
                 ctx.backoff = rcfg.backoff_initial
             else:
-                n = rcfg.crash_loop.max_restarts
-                window = rcfg.crash_loop.window
-                return [
-                    *actions,
-                    *self._to(
-                        State.FAILED,
-                        "crash_loop",
-                        now,
-                        f"{n} restarts within {window:g}s on profile {ctx.profile}",
-                    ),
-                ]
+                if ctx.on_lkg:
+                    loop += " (the last known good)"
+                return [*actions, *self._to(State.FAILED, "crash_loop", now, loop)]
         # The backoff runs from the restart decision, not from the old launch's last process:
         # stopping what is left of it (seconds, for SGLang's schedulers) overlaps the wait
         # instead of adding to every restart's downtime. The gap between two launches is still
         # at least the backoff.
         wait = max(0.0, self._next_backoff() - (now - ctx.since))
         return [*actions, SetTimer(TimerName.BACKOFF, wait, ctx.launch)]
+
+    # ------------------------------------------------------------------ asked for
+
+    def _requested(self, event: RestartRequested, now: float) -> list[Action]:
+        ctx = self.ctx
+        if ctx.state in (State.STOPPING, State.STOPPED):
+            return []
+        actions: list[Action] = []
+        # An operator's restart is the runbook's "back to primary" as much as a reload is.
+        primary = event.back_to_primary or event.reason is Reason.MANUAL
+        if primary and ctx.profile != PRIMARY:
+            actions.append(self._change_profile(PRIMARY))
+        if primary or ctx.state is State.FAILED:
+            ctx.restarts.clear()
+            ctx.backoff = self.cfg.restart.backoff_initial
+        if ctx.state is State.FAILED:
+            return [
+                *actions,
+                RecordRestart(event.reason, None, None, "requested"),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state is State.RESTARTING and not ctx.child:
+            # Waiting out a backoff: go now.
+            return [
+                *actions,
+                CancelTimer(TimerName.BACKOFF),
+                *self._to(State.CLEANING, event.reason, now),
+                CleanHost(),
+            ]
+        if ctx.state in (State.STARTING, *HOST_CHECK, State.RESTARTING):
+            return actions  # nothing runs yet (or a stop is already under way)
+        return [*actions, *self._restart(event.reason, now, "requested")]
+
+    def _change_profile(self, new: str) -> ProfileChanged:
+        """Launches move to profile `new`. A rollback in force stays with the profile it was
+        made on: another profile (the fallback) is launched from the config, and back on the
+        rolled-back profile its last known good is launched again, never the trial."""
+        ctx = self.ctx
+        old, ctx.profile = ctx.profile, new
+        ctx.on_lkg = ctx.rolled_back == new
+        return ProfileChanged(old, new)
+
+    def _crash_loop_rollback(self, detail: str) -> list[Action] | None:
+        """A crash loop's rollback to the last known good (UpgradeRules), or None."""
+        return None
 
     # ------------------------------------------------------------------ restart.mode: exit
 

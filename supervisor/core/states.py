@@ -48,6 +48,44 @@ class Reason(StrEnum):
     # quality.on_spec_collapse fallback: speculation accepts (almost) nothing; relaunched on
     # restart.fallback_profile.
     SPEC_COLLAPSE = "spec_collapse"
+    # A trial (a launch that differs from the last known good) regressed at its gate: a wrong
+    # canary or known answer, slower decode or a lower accept length than the last known good's;
+    # with quality.on_trial_regression rollback, the last known good is relaunched.
+    TRIAL_REGRESSED = "trial_regressed"
+
+
+class UpgradeState(StrEnum):
+    """/status.upgrade.state: where the launch stands against the last known good."""
+
+    NONE = "none"  # no trial: the launch is the last known good, or there is none yet
+    TRIAL = "trial"  # the launch differs from the last known good
+    ACCEPTED = "accepted"  # a trial became the last known good (trial_period, upgrade accept)
+    ROLLED_BACK = "rolled_back"  # the last known good serves, not the config
+    HELD = "held"  # a regressed trial, never ready (on_trial_regression hold)
+    # A trial that regressed on speed or accept length serves all the same because no verifiable
+    # last known good exists (on_trial_regression rollback, the rollback refused); never promoted.
+    REGRESSED = "regressed"
+
+
+class TrialVerdict(StrEnum):
+    """/status.upgrade.trial.verdict: what the trial's gate found against the last known good."""
+
+    PASS = "pass"  # its answers hold and it is no slower (or accepts no less) than allowed
+    REGRESSED = "regressed"  # a wrong answer, slower decode or a lower accept length
+    # Its speed was read while SGLang was busy: neither a pass nor a regression (its answers
+    # held; a wrong answer is a regression whatever the load).
+    INCONCLUSIVE = "inconclusive"
+
+
+class Regression(StrEnum):
+    """Why a trial was rolled back: kimi_serve_rollbacks_total{regression}."""
+
+    CANARY = "canary"  # the canary disagrees with the golden (or the previous key's)
+    KNOWN_ANSWERS = "known_answers"  # a known answer fails
+    SPEED = "speed"  # decode tokens/s below trial_slowdown x the last known good's
+    ACCEPT_LENGTH = "accept_length"  # accept length below trial_accept_drop x the LKG's
+    CRASH_LOOP = "crash_loop"  # the trial crash-looped
+    MANUAL = "manual"  # an operator asked (kimi-serve upgrade rollback)
 
 
 SERVING = frozenset({State.READY, State.DEGRADED})
@@ -55,6 +93,8 @@ SERVING = frozenset({State.READY, State.DEGRADED})
 PROBED = frozenset({*SERVING, State.DRAINING})
 # States in which an SGLang process of the current launch may exist.
 CHILD_STATES = frozenset({State.LAUNCHING, State.LOADING, State.WARMING, *PROBED})
+# The states whose next step is a cleaning's answer (HostReady, HostNotReady, GpuUnfit).
+HOST_CHECK = frozenset({State.CLEANING, State.WAITING})
 # Still on the way to the first READY=1: systemd's start timeout is extended in these.
 STARTUP_STATES = frozenset(
     {State.STARTING, State.CLEANING, State.WAITING, State.LAUNCHING, State.LOADING, State.WARMING}

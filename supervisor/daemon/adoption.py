@@ -22,11 +22,13 @@ from supervisor import log, router
 from supervisor.core import events as ev
 from supervisor.core.context import Context
 from supervisor.core.states import State, TimerName
+from supervisor.daemon import upgrades
 from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, SERVING, Daemon, Pipes
 from supervisor.process import Child
 from supervisor.process.adopt import Adopted, Pipe, Unverifiable, verify
 from supervisor.process.identity import ProcessIdentity, live_process
 from supervisor.sglang import argv
+from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.logscan import Stream
 
 
@@ -138,7 +140,8 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         why = str(exc) if isinstance(exc, Unverifiable) else f"state unreadable: {exc!r}"
         _fall_back(d, doc, why)
         return False
-    spec = argv.build(d.cfg, m["profile"])
+    upgrades.restore(d.parts.machine.ctx, d.upgrades, doc.get("upgrade"))
+    spec = _expected(d, doc, str(m["profile"]))
     d.parts.launcher.adopted(child, spec, m["profile"])
     d.parts.launcher.owner.own(child, pipes)
     d.parts.launcher.owner.refresh_tree(child)
@@ -152,6 +155,9 @@ def adopt(d: Daemon, got: Inherited) -> bool:
         cur.key, cur.identity = quality.get("key"), quality.get("identity")
         cur.version = quality.get("version")
     _restore(d.parts.machine.ctx, m)
+    ctx = d.parts.machine.ctx  # the gauges of the trial as they were, not a fresh start's
+    d.metrics.trial.set(1 if ctx.trial else 0)
+    d.metrics.lkg_serving.set(1 if ctx.on_lkg else 0)
     d.parts.observed.adopted(child, doc.get("observed"))
     d.parts.observed.profile(None, d.parts.machine.ctx.profile)
     link = d.router
@@ -213,6 +219,17 @@ def relaunched(d: Daemon) -> None:
     d.notifier.ready(d.status_line())
 
 
+def _expected(d: Daemon, doc: dict[str, Any], profile: str) -> LaunchSpec:
+    """What the running launch must be: after a rollback the last known good's command (the
+    trusted one the state carries), else what the configuration builds."""
+    carried = doc.get("upgrade")
+    if isinstance(carried, dict) and carried.get("on_lkg") is True:
+        trusted = upgrades.trusted_of(carried).get(profile)
+        if trusted is not None:
+            return trusted
+    return argv.build(d.cfg, profile)
+
+
 def _verified(d: Daemon, doc: dict[str, Any]) -> tuple[Child, Pipes, dict[str, Any]]:
     c, m = doc["child"], doc["machine"]
     main = ProcessIdentity(int(c["pid"]), float(c["create_time"]))
@@ -229,7 +246,7 @@ def _verified(d: Daemon, doc: dict[str, Any]) -> tuple[Child, Pipes, dict[str, A
             raise Unverifiable(f"the launch was {m['state']}, not serving")
         if d.parts.group is not None:
             raise Unverifiable("a multi-node replica does not hand over (group)")
-        spec = argv.build(d.cfg, str(m["profile"]))
+        spec = _expected(d, doc, str(m["profile"]))
         if list(spec.argv) != list(c["argv"]):
             raise Unverifiable(
                 f"the configuration changes SGLang's command line ({d.cfg.path}): relaunching"

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from supervisor import __version__, log
 from supervisor.core import events as ev
 from supervisor.core.states import State
+from supervisor.daemon import upgrades
 from supervisor.process import Child
 from supervisor.process.adopt import pipe_inode
 from supervisor.process.identity import current_boot_id, live_process
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from supervisor.config import Config
     from supervisor.daemon.inbox import Item
     from supervisor.daemon.notify import Notifier
+    from supervisor.daemon.upgrades import Upgrades
     from supervisor.daemon.wiring import Parts
     from supervisor.metrics import Metrics
     from supervisor.router import RouterLink
@@ -68,6 +70,7 @@ class Daemon(Protocol):
     metrics: Metrics
     log: Any
     handover: Handover
+    upgrades: Upgrades
     admin_served: Served | None
     clock: Callable[[], float]
 
@@ -273,6 +276,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "router_worker_id": None if link is None else link.state.worker_id,
         "sglang_version": d.parts.observed.sglang_version,
         "observed": d.parts.observed.carried(),
+        "upgrade": upgrades.carried(ctx, d.upgrades),
         "quality": None
         if quality is None
         else {

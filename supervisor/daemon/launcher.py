@@ -87,8 +87,17 @@ class Launcher:
         """The link a stop waits on: one a reload removed still deregisters first."""
         return self.links.for_stop
 
-    def launch(self, action: Launch, before: Callable[[], None]) -> None:
-        spec = self.spec = command.build(self.cfg, action.profile)
+    def launch(
+        self, action: Launch, before: Callable[[], None], spec: LaunchSpec | None = None
+    ) -> None:
+        """`spec`: a rollback's command (the last known good's, daemon/upgrades.py); else the
+        configuration's. A rollback without one fails the launch: never the config instead."""
+        if action.lkg and spec is None:
+            msg = "the last known good's command cannot be rebuilt from a root-owned source"
+            self.log.error("launch failed", error=msg)
+            self.emit(LaunchFailed(action.launch, msg))
+            return
+        spec = self.spec = spec or command.build(self.cfg, action.profile)
         before()
         if not self._hand_over_key(action.launch):
             return

@@ -26,7 +26,7 @@ from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
 from supervisor.core.states import ProbeKind, Reason, State, TimerName
-from supervisor.daemon import adoption, handover, host, injected, probing, reload, startup
+from supervisor.daemon import adoption, handover, host, injected, probing, reload, startup, upgrades
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -75,6 +75,7 @@ class Daemon:
         self._preparing = False
         self._loop_errors: dict[str, float] = {}
         self.handover = handover.Handover(self)
+        self.upgrades = upgrades.Upgrades(cfg)  # the last known good of each profile
         self.inbox.recover = self.handover.recover
         self.admin_served: admin.Served | None = None  # a hand-over passes its socket on
 
@@ -164,6 +165,12 @@ class Daemon:
             )
             if self.group is not None:
                 self.inbox.spawn(self.group.run())
+            # Before the first launch is compared. After an exec, read on the loop (a few KiB in
+            # the state dir, as the launch record is): awaited, the inherited admin socket would
+            # answer /readyz 503 from `starting` before the adoption restores `ready`.
+            lkgs = self.upgrades.known_now() if inherited else await self.upgrades.known()
+            for known in lkgs:
+                self.emit(known)
             if inherited is None or not adoption.adopt(self, inherited):
                 # Whatever a previous run left in the router's list is not decode-verified.
                 router.carry_out(self.router, ev.RouterDeregister(0, "startup", wait_idle=False))
@@ -272,10 +279,19 @@ class Daemon:
                 )
                 self.inbox.run(self._clean_then_join(cleaned))
             case ev.Launch():
-                self.launcher.launch(action, before=self.pump.new_launch)
+                lkg = self.upgrades.spec_for(action.profile) if action.lkg else None
+                self.launcher.launch(action, before=self.pump.new_launch, spec=lkg)
                 if self.launcher.child is not None and self.launcher.child.launch == action.launch:
                     self.recorder.launched(action.launch, action.profile, self.clock())
                     self.quality.launched(action.launch, self.launcher.spec)
+                    self.inbox.run(self.upgrades.compare(action.launch, self.launcher.spec))
+            case ev.RecordLkg():
+                child, why = self.launcher.child, self.machine.ctx.upgrade_why
+                if child is not None and child.launch == action.launch:
+                    self.inbox.spawn(self.upgrades.record(action, self.launcher.spec, why))
+            case ev.RolledBack() | ev.UpgradeChanged():
+                self.upgrades.carry_out(action, self.metrics, self.machine.ctx.on_lkg)
+                self.notifier.status(self.status_line())
             case ev.StartProbe():
                 self.inbox.spawn(self._probe(action))
             case ev.StopChild():
@@ -364,8 +380,14 @@ class Daemon:
                 self.log.error("canary failed", error=f"{type(exc).__name__}: {exc}")
                 out = CanaryOutcome(unavailable=f"canary failed: {type(exc).__name__}")
             done = dataclasses.replace(
-                done, canary_mismatch=out.mismatch, canary_unavailable=out.unavailable
+                done,
+                canary_mismatch=out.mismatch,
+                canary_unavailable=out.unavailable,
+                known_failed=out.known_failed,
             )
+        if action.kind is ProbeKind.READINESS and done.result.ok:
+            tps, accept = self.quality.gate_readings(done)
+            done = dataclasses.replace(done, gate_tps=tps, gate_accept=accept)
         # Queued before anything is logged: a broken log must never hide a verdict.
         self.emit(done)
         self.observed.probe(done.kind, done.result, done.busy)
@@ -403,6 +425,7 @@ class Daemon:
         self.cfg = new
         for part in self.parts.holders():
             part.reconfigure(new)
+        self.upgrades.reconfigure(new)
         self.observed.profile(None, self.machine.ctx.profile)
 
     # ============================================================ periodic
@@ -446,6 +469,14 @@ class Daemon:
             self.emit(ev.RestartRequested(Reason.MANUAL))
         return refused
 
+    def request_upgrade(self, op: str) -> str | None:
+        """POST /upgrade/accept|rollback: None when queued, else why it is refused."""
+        upgrade = ev.UpgradeOp(op)
+        refused = self.machine.upgrade_refusal(upgrade)
+        if refused is None:
+            self.emit(ev.UpgradeRequested(upgrade))
+        return refused
+
     def next_launch(self) -> int:
         # The request is queued; the launch it makes comes after every one made so far.
         return self.machine.ctx.launch + 1
@@ -468,4 +499,8 @@ class Daemon:
         return self.observed.status_line(public=True)
 
     def status_document(self) -> dict[str, Any]:
-        return {**self.observed.status_document(), "daemon": self.handover.status()}
+        return {
+            **self.observed.status_document(),
+            "daemon": self.handover.status(),
+            "upgrade": self.upgrades.status_document(self.machine.ctx, self.clock()),
+        }

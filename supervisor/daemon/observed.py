@@ -27,6 +27,7 @@ from supervisor.core.machine import (
     RecordRestart,
     State,
     Transitioned,
+    UpgradeState,
 )
 from supervisor.daemon.links import RouterSlot
 from supervisor.gpu import CleanReport, SweepReport, nvml
@@ -385,6 +386,14 @@ class Observed:
             parts.append(
                 f"- {self.reason} (detail: kimi-serve status)" if public else f"- {self.detail}"
             )
+        if ctx.on_lkg:
+            parts.append("- ROLLED BACK: serving the last known good, not the config")
+        elif ctx.upgrade is UpgradeState.HELD:
+            parts.append("- HELD: a regressed trial (kimi-serve upgrade status)")
+        elif ctx.upgrade is UpgradeState.REGRESSED:
+            parts.append("- REGRESSED: a regressed trial serves (kimi-serve upgrade status)")
+        elif ctx.trial:
+            parts.append("- trial")
         if note := self.note():
             parts.append(f"- {note}")
         return " ".join(parts)[:400]

@@ -81,6 +81,7 @@ class CanaryOutcome:
 
     mismatch: str | None = None
     unavailable: str | None = None
+    known_failed: bool = False  # the mismatch is a known answer's (quality.known_answers)
 
 
 async def sglang_version(http: httpx.AsyncClient, base: str) -> str:
@@ -240,7 +241,9 @@ class QualityWatch:
             record, failure = verified
             if failure is not None:
                 await self._save_last(record)
-                return self._mismatch(cur, record, key, failure, took)
+                out = self._mismatch(cur, record, key, failure, took)
+                known_failed = any(not k.ok for k in record.known)
+                return dataclasses.replace(out, known_failed=known_failed)
             golden = dataclasses.replace(record, how="learned")
             try:
                 await self._store(lambda: self.store.save_golden(golden))
@@ -370,6 +373,22 @@ class QualityWatch:
             self.log.error("canary store unwritable", dir=str(self.store.dir), error=str(exc))
 
     # ------------------------------------------------------------------ probes and gauges
+
+    def gate_readings(self, done: ProbeDone) -> tuple[float | None, float | None]:
+        """The launch's single-stream decode tokens/s and accept length at its gate (the
+        readiness probe and the canary that rode it, idle, on the fixed prompts): the best
+        speed of the two, the probe's accept length. What a trial is judged on against the
+        last known good (core/upgrade_rules.py); (None, None) on a busy gate."""
+        cur = self.cur
+        if cur is None or cur.launch != done.launch or not done.result.ok or done.busy:
+            return None, None
+        speeds = [decode_speed(done.result.meta, done.result.latency_s)]
+        if cur.canary_speed is not None:
+            speeds.append(cur.canary_speed[0])
+        measured = [s for s in speeds if s is not None and s > 0]
+        tps = max(measured) if measured else None
+        accept = accept_length(done.result.meta) if cur.speculative else None
+        return tps, accept
 
     async def probe_done(
         self, done: ProbeDone, decoded_before: float | None = None, own_tokens: int = 0

@@ -357,3 +357,8 @@ class CanaryStore:
 
 def default_dir(state_dir: str) -> str:
     return os.path.join(state_dir, "canary")
+
+
+# The store's atomic JSON, for the daemon's other stores (daemon/upgrades.py).
+write_json = _write_json
+read_json = _read_json

@@ -284,7 +284,7 @@ async def test_the_denied_series_exist_for_every_protected_route(ep: Endpoint) -
     for endpoint in (*ADMIN_PROTECTED_ENDPOINTS, "other"):
         assert f'kimi_serve_admin_denied_total{{endpoint="{endpoint}"}} 0.0' in text
     # ... and nothing is protected that the metric does not list.
-    routes = {"/status", *MUTATING, "/group", "/group/end"}
+    routes = {"/status", *MUTATING, "/group", "/group/end", "/upgrade/accept", "/upgrade/rollback"}
     assert set(ADMIN_PROTECTED_ENDPOINTS) == routes
 
 

@@ -42,6 +42,7 @@ PURPOSE = {
     "undrain": "register with the router again",
     "canary": "golden answers",
     "reexec": "fresh exec of the installed kimi-serve",
+    "upgrade": "last known good",
 }
 
 PRODUCTION_FLAGS = [
