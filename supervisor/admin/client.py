@@ -11,8 +11,12 @@ server is the service.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import ssl
+import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -80,9 +84,19 @@ def request(
     token: str | None = None,
     timeout: float = 5.0,
     read_timeout: float | None = None,
+    deadline: float | None = None,
 ) -> Answer:
     """One request; NotTheService (loopback, another user's socket) before anything is sent,
-    Unreachable for no answer."""
+    Unreachable for no answer. `timeout` bounds the connection, `read_timeout` (default
+    `timeout`) each read after it, and `deadline` (default the two added) the whole request:
+    connect, headers and body. A server that trickles a byte at a time, each within the read
+    timeout, is cut at the deadline (a socket timeout restarts on every byte)."""
+    limit = (
+        deadline
+        if deadline is not None
+        else timeout + (timeout if read_timeout is None else read_timeout)
+    )
+    ends = time.monotonic() + limit
     url = urllib.parse.urlsplit(base.rstrip("/") + path)
     host = url.hostname or ""
     try:
@@ -104,18 +118,46 @@ def request(
     if token:
         headers["Authorization"] = f"Bearer {token}"
     target = url.path + (f"?{url.query}" if url.query else "")
+    conn.timeout = max(0.001, min(timeout, limit))
+    cut = _Cutter(conn)
+    watchdog = threading.Timer(limit, cut.fire)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         conn.connect()
-        if read_timeout is not None and conn.sock is not None:
-            conn.sock.settimeout(read_timeout)
+        if conn.sock is not None:
+            left = max(0.001, ends - time.monotonic())
+            per_read = timeout if read_timeout is None else read_timeout
+            conn.sock.settimeout(min(per_read, left))
         conn.request(method, target, headers=headers)
         r = conn.getresponse()
         body = r.read(MAX_ANSWER_BYTES + 1)
+        if cut.fired:
+            raise TimeoutError
         if len(body) > MAX_ANSWER_BYTES:
             raise Unreachable(f"an answer over {MAX_ANSWER_BYTES} bytes")
         return Answer(r.status, r.reason, body)
     except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
+        if cut.fired or time.monotonic() >= ends:
+            raise Unreachable(f"no whole answer within {limit:g} s") from None
         # ValueError: http.client's InvalidURL (a --url with a space, a control character).
         raise Unreachable(str(exc) or type(exc).__name__) from None
     finally:
+        watchdog.cancel()
         conn.close()
+
+
+class _Cutter:
+    """Ends a request at its deadline: shuts its socket down, which wakes the read blocked on
+    it (close alone would not, and may hand the descriptor to another thread's socket)."""
+
+    def __init__(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
+        self.fired = False
+
+    def fire(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)

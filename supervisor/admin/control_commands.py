@@ -50,6 +50,10 @@ ANSWER_TIMEOUT = {
     "reexec": reexec_command.TIMEOUT_S,
 }
 
+# With --wait --timeout: how far past the wait's end a request may still be read (a wait ends
+# within this of --timeout, whatever the endpoint does).
+GRACE_S = 0.5
+
 EPILOG = {
     "restart": "exit status: 0 accepted (with --wait: ready on the primary profile), 1 refused "
     "(with --wait: failed, the reason and incident printed), 4 unreachable, 5 the admin address "
@@ -146,6 +150,16 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
         return EX_NOPERM
     trusted = secret_files.service_uids(token_file)
     started, sent_at = time.monotonic(), time.time()
+
+    def within_wait(default: float) -> float:
+        """A request's whole deadline: `default`, and with --wait --timeout never past the
+        wait's end (by more than GRACE_S: the last answer is still read)."""
+        if not req.wait or req.timeout is None:
+            return default
+        left = req.timeout - (time.monotonic() - started)
+        return max(GRACE_S, min(default, left + GRACE_S))
+
+    answer = req.answer_timeout if req.wait else req.timeout
     try:
         r = adminclient.request(
             "POST",
@@ -154,7 +168,8 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
             trusted=trusted,
             token=token,
             timeout=5.0,
-            read_timeout=req.answer_timeout if req.wait else req.timeout,
+            read_timeout=answer,
+            deadline=within_wait(5.0 + (answer or 5.0)),
         )
     except adminclient.NotTheService as exc:
         return fail(EX_NOT_SERVICE, str(exc))
@@ -195,9 +210,16 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
             spent = time.monotonic() - started
             left_s = reexec_command.POLL_READ_S if req.timeout is None else req.timeout - spent
             read_timeout = min(reexec_command.POLL_READ_S, max(1.0, left_s))
+        per_read = 5.0 if read_timeout is None else read_timeout
         try:
             a = adminclient.request(
-                "GET", base, "/status", trusted=trusted, token=token, read_timeout=read_timeout
+                "GET",
+                base,
+                "/status",
+                trusted=trusted,
+                token=token,
+                read_timeout=read_timeout,
+                deadline=within_wait(5.0 + per_read),
             )
             got = a.json() if a.status == 200 else None
         except (adminclient.NotTheService, ValueError) as exc:

@@ -12,6 +12,9 @@ from supervisor.admin import client as adminclient
 from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
 
 TAIL_SHOWN = 25
+# `kimi-serve status` gives up after this many seconds per request, connecting included
+# (exit 4); a refused token asks once more without it, so at most twice this.
+DEADLINE_S = 10.0
 
 
 def _ago(unix: float | None, now: float) -> str:
@@ -264,7 +267,9 @@ def run_status_command(
     owners = trusted if trusted is not None else frozenset({0, os.geteuid()})
 
     def get(with_token: str | None) -> adminclient.Answer:
-        return adminclient.request("GET", base, "/status", trusted=owners, token=with_token)
+        return adminclient.request(
+            "GET", base, "/status", trusted=owners, token=with_token, deadline=DEADLINE_S
+        )
 
     try:
         r = get(token)
