@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from supervisor import secret_files
+from supervisor import secret_files, terminal
 from supervisor.admin import client as adminclient
 from supervisor.admin import reexec_command
 from supervisor.admin import wait as waiting
@@ -258,6 +258,7 @@ def run(req: Request, out: TextIO, err: TextIO) -> int:
 
 def render_answer(command: str, http_status: int, doc: dict[str, Any]) -> str:
     """The daemon's answer in the style of `kimi-serve status`."""
+    doc = terminal.sanitized(doc)
     if command == "reexec":
         return (
             "reexec accepted: the daemon hands over to a fresh exec of the installed kimi-serve "

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any, TextIO
 
+from supervisor import terminal
 from supervisor.admin import client as adminclient
 from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
 
@@ -99,6 +100,10 @@ def daemon_lines(d: object, now: float) -> list[str]:
 
 
 def render(doc: dict[str, Any], now: float) -> str:
+    raw_last = doc.get("last_restart")
+    raw_tail = raw_last.get("log_tail") if isinstance(raw_last, dict) else None
+    raw_tail = raw_tail if isinstance(raw_tail, list) else []
+    doc = terminal.sanitized(doc)  # an admin answer: every string in it is untrusted text
     out: list[str] = []
     state = doc.get("state", "?")
     mark = "●"
@@ -218,7 +223,7 @@ def render(doc: dict[str, Any], now: float) -> str:
             out.append("   the service user, who can read admin.token_file)")
         if tail:
             out.append(f"  Last {min(len(tail), TAIL_SHOWN)} lines SGLang printed:")
-            out.extend(f"    {line}" for line in tail[-TAIL_SHOWN:])
+            out.extend(f"    {terminal.log_line(line)}" for line in raw_tail[-TAIL_SHOWN:])
     events = doc.get("events") or []
     if events:
         out.append("")

@@ -19,7 +19,7 @@ import argparse
 import json
 from typing import Any, TextIO
 
-from supervisor import secret_files
+from supervisor import secret_files, terminal
 from supervisor.admin import client as adminclient
 from supervisor.exits import EX_DONE, EX_NOPERM, EX_NOT_SERVICE, EX_REFUSED, EX_UNREACHABLE
 
@@ -61,6 +61,7 @@ def _num(value: object, fmt: str) -> str:
 
 def render(up: dict[str, Any]) -> list[str]:
     """/status.upgrade in the style of `kimi-serve status`."""
+    up = terminal.sanitized(up)
     state = str(up.get("state", "none"))
     lines = [f"● upgrade: {state}" + (f" - {up['why']}" if up.get("why") else "")]
     if up.get("serving_lkg"):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from supervisor import terminal
 from supervisor.admin import client as adminclient
 from supervisor.admin.status_command import hand_overs, load_progress
 from supervisor.exits import (
@@ -159,6 +160,7 @@ def verdict(doc: dict[str, Any], goal: Goal, fresh: bool) -> Outcome | None:
 def progress_line(doc: dict[str, Any], waited_s: float, daemon: bool = False) -> str:
     """One line: state, launch, load phase, elapsed against load_timeout, restarts, waited;
     with `daemon` (a hand-over's wait) also the daemon's version and hand-overs."""
+    doc = terminal.sanitized(doc)
     state = str(doc.get("state", "?"))
     parts = [f"{state} (launch {_launch(doc)}, {doc.get('profile')})"]
     d = doc.get("daemon")
@@ -236,7 +238,10 @@ def follow(
             fresh = fresh or entered or key[:2] != first[:2] or _launch(doc) >= goal.launch > 0
             waited = clock() - start
             line = progress_line(doc, waited, goal.handover)
-            if tty:
+            redraw = getattr(progress, "redraw", None)
+            if tty and callable(redraw):
+                redraw(line)  # terminal.Guard: the one way to rewrite the line
+            elif tty:
                 progress.write(f"\r{line}\x1b[K")
                 progress.flush()
             elif key != shown:

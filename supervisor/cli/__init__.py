@@ -15,6 +15,7 @@ from typing import TextIO, cast
 from supervisor.cli.parser import build_parser as build_parser
 from supervisor.exits import EX_CONFIG as EX_CONFIG
 from supervisor.exits import EX_FAIL, EX_OK
+from supervisor.terminal import Guard
 
 
 class _Stdout(io.TextIOBase):
@@ -58,12 +59,23 @@ class _Stdout(io.TextIOBase):
             os.close(devnull)
 
 
+# The commands whose output is the daemon's own log (its renderer decides what reaches the
+# terminal); every other command writes through terminal.Guard.
+UNGUARDED = frozenset({"run", "demo"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     out = cast(TextIO, _Stdout(sys.stdout))
+    err = sys.stderr
+    saved = sys.stdout, sys.stderr
+    if args.command not in UNGUARDED:
+        # Whatever a command prints, from whichever source, reaches the terminal escaped.
+        out, err = cast(TextIO, Guard(out)), cast(TextIO, Guard(sys.stderr))
+        sys.stdout, sys.stderr = out, err
     try:
-        code: int = args.func(args, out, sys.stderr)
+        code: int = args.func(args, out, err)
         out.flush()
     except KeyboardInterrupt:
         code = 130 if args.command != "demo" else EX_OK
@@ -72,4 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("KIMI_SERVE_DEBUG"):
             raise
         code = EX_FAIL
+    finally:
+        sys.stdout, sys.stderr = saved
     return code

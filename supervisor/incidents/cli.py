@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, TextIO
 
+from supervisor import terminal
 from supervisor.incidents import (
     _READ_STACKS_MAX,
     INCIDENT_JSON,
@@ -56,6 +57,7 @@ def run_list(store: IncidentStore, as_json: bool, out: TextIO, err: TextIO) -> i
     if not rows:
         print(f"no incidents in {store.dir}", file=out)
         return 0
+    rows = terminal.sanitized(rows)  # written by the daemon from what SGLang printed
     noun = "incident" if len(rows) == 1 else "incidents"
     print(f"{len(rows)} {noun} in {store.dir}, newest first:", file=out)
     for r in rows:
@@ -71,6 +73,7 @@ def run_list(store: IncidentStore, as_json: bool, out: TextIO, err: TextIO) -> i
 
 
 def render_show(path: Path, doc: dict[str, Any], stacks_text: str | None) -> str:
+    doc = terminal.sanitized(doc)
     out = [f"Incident {path.name}", f"  directory: {path}"]
     how = []
     if doc.get("exit_code") is not None:

@@ -16,6 +16,7 @@ import datetime
 import json
 from typing import Any, TextIO
 
+from supervisor import terminal
 from supervisor.config import Config
 from supervisor.exits import EX_CONFIG, EX_NOTHING, EX_OK, EX_REFUSED, EX_UNREACHABLE
 from supervisor.quality import KnownResult, checked_prefix, compare
@@ -39,9 +40,10 @@ def _when(t: float) -> str:
 
 def _describe(g: Golden, out: TextIO, title: str) -> None:
     a = g.answer
-    print(f"{title} {g.key} ({g.how} {_when(g.learned_at)})", file=out)
-    print(f"  model      {g.model_path} (identity {g.identity[:16]})", file=out)
-    print(f"  sglang     {g.sglang_version}", file=out)
+    shown = terminal.shown  # the store's file and SGLang's version are untrusted text
+    print(f"{title} {shown(g.key)} ({shown(g.how)} {_when(g.learned_at)})", file=out)
+    print(f"  model      {shown(g.model_path)} (identity {shown(g.identity[:16])})", file=out)
+    print(f"  sglang     {shown(g.sglang_version)}", file=out)
     print(f"  prompt     {g.prompt!r}, {g.max_tokens} tokens", file=out)
     print(f"  answer     {a.text!r}", file=out)
     print(f"  confident  {checked_prefix(a)} of {len(a.tokens)} tokens compared", file=out)
