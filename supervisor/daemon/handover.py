@@ -4,9 +4,10 @@
 no longer read (`ProcessOwner.release`: what is still in a pipe stays there, the partial line
 read goes into the state), the state is written to a memfd, the memfd, the pipes and the admin
 listening socket are made inheritable (Python opens every descriptor close-on-exec), systemd is
-told `RELOADING=1`, SIGTERM, SIGINT and SIGHUP are blocked (the mask survives the exec: a stop
-in that window waits for the new daemon's handlers instead of killing the daemon, and SGLang
-with it), and the same interpreter execs the installed kimi-serve with the same arguments.
+told `RELOADING=1`, every signal the daemon handles is blocked (`SIGNALS`: SIGTERM, SIGINT,
+SIGHUP, SIGUSR1 and the others of daemon/signals.py; the mask survives the exec: a stop, or any
+of them, in that window waits for the new daemon's handlers instead of killing the daemon, and
+SGLang with it), and the same interpreter execs the installed kimi-serve with the same arguments.
 
 The new daemon (supervisor/daemon/adoption.py; `take` at the start of `Daemon.run`): the
 memfd's number comes in
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from supervisor import __version__, log
 from supervisor.core import events as ev
 from supervisor.core.states import State
-from supervisor.daemon import upgrades
+from supervisor.daemon import signals, upgrades
 from supervisor.process import Child
 from supervisor.process.adopt import pipe_inode
 from supervisor.process.identity import current_boot_id, live_process
@@ -83,7 +84,9 @@ class Daemon(Protocol):
 ENV = "KIMI_SERVE_HANDOVER_FD"
 MEMFD_NAME = "kimi-serve-handover"
 FORMAT = 1
-SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# Every signal the daemon handles (daemon/signals.py): blocked from just before the exec until
+# the new daemon has set its handlers, so none meets SIG_DFL in between.
+SIGNALS = signals.HANDLED
 SERVING = frozenset({State.READY, State.DEGRADED, State.DRAINING})
 # Internal errors handed over (Handover.recover): at most this many within the window.
 RECOVER_MAX = 3

@@ -26,7 +26,17 @@ from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
 from supervisor.core.states import ProbeKind, Reason, State, TimerName
-from supervisor.daemon import adoption, handover, host, injected, probing, reload, startup, upgrades
+from supervisor.daemon import (
+    adoption,
+    handover,
+    host,
+    injected,
+    probing,
+    reload,
+    signals,
+    startup,
+    upgrades,
+)
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -78,6 +88,7 @@ class Daemon:
         self.upgrades = upgrades.Upgrades(cfg)  # the last known good of each profile
         self.inbox.recover = self.handover.recover
         self.admin_served: admin.Served | None = None  # a hand-over passes its socket on
+        self.strays = signals.Strays(self.log)
 
     @property
     def router(self) -> RouterLink | None:
@@ -101,9 +112,12 @@ class Daemon:
         # (py-spy alone gets it, stacks._spawn).
         stacks.confine()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals.STOP:
             loop.add_signal_handler(sig, self.emit, ev.StopRequested(sig.name))
-        loop.add_signal_handler(signal.SIGHUP, self.emit, ev.ReloadRequested())
+        loop.add_signal_handler(signals.RELOAD, self.emit, ev.ReloadRequested())
+        # Every other signal that would end the daemon (and with it SGLang, KillMode=mixed):
+        # logged; SIGUSR1 dumps the daemon's stacks.
+        self.strays.install(loop)
         # A hand-over blocked them across its exec (daemon/handover.py); pending ones come now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handover.SIGNALS)
         inherited = adoption.take()
