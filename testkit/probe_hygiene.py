@@ -62,3 +62,34 @@ async def timed_out_probes_leave_nothing_running(
                 break
             await asyncio.sleep(0.05)
     return out
+
+
+async def unaborted_probes_keep_running(
+    url: str, cfg: ProbeConfig, *, count: int = 3, ceiling: float = 120.0
+) -> Outcome:
+    """The control, event by event rather than by the clock: `count` probes with no rid and
+    no abort are sent; once SGLang reports one of them running (however long a loaded machine
+    takes to get there, up to `ceiling`), the client gives up on all of them, as a probe's
+    timeout does; `running_after` is SGLang's running count read right after. Nothing told
+    SGLang, so they are still decoding (until its own disconnect check, seconds later)."""
+    out = Outcome()
+    async with httpx.AsyncClient(trust_env=False) as client:
+        jobs = [
+            asyncio.create_task(probe(client, url, cfg, False, timeout=ceiling))
+            for _ in range(count)
+        ]
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < ceiling:
+                now = await read_progress(client, url)
+                if now is not None and now.running_requests >= 1:
+                    out.running_during = now.running_requests
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            for job in jobs:
+                job.cancel()  # the client gives up, as at a timeout: connections closed
+            await asyncio.gather(*jobs, return_exceptions=True)
+        after = await read_progress(client, url)
+        out.running_after = after.running_requests if after else None
+    return out

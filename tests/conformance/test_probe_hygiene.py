@@ -12,7 +12,10 @@ import pytest
 
 from supervisor.config import ProbeConfig
 from testkit.conformance import Server
-from testkit.probe_hygiene import timed_out_probes_leave_nothing_running
+from testkit.probe_hygiene import (
+    timed_out_probes_leave_nothing_running,
+    unaborted_probes_keep_running,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +48,17 @@ def test_timed_out_probes_are_aborted_inside_real_sglang(server: Server) -> None
 
 
 def test_without_the_abort_timed_out_probes_pile_up_in_real_sglang(server: Server) -> None:
-    # The control: the same probes, no rid and no abort, all asked for at once.
-    out = asyncio.run(
-        timed_out_probes_leave_nothing_running(
-            server.url, LONG, count=COUNT, timeout=0.5, settle=SETTLE_S, abort=False
-        )
-    )
+    # The control: the same probes, no rid and no abort, all asked for at once; the client
+    # gives up on them once the server runs one (not at a fixed 0.5 s: on a loaded machine
+    # SGLang may not have started them by then, and a control that sees nothing proves nothing).
+    out = asyncio.run(unaborted_probes_keep_running(server.url, LONG, count=COUNT))
     print(
         f"[{server.side}] not aborted: running during {out.running_during}, "
         f"after {out.running_after}"
     )
-    assert [r.reason for r in out.results] == ["timeout"] * COUNT, out.results
-    # Still decoding inside the server after the wait the aborted probes settled within (the
-    # stand-in runs them all at once; real SGLang's gauge may show the batch it runs).
+    assert out.running_during is not None, "the server never ran the probes"
+    # Still decoding inside the server after the client gave up (the stand-in runs them all
+    # at once; real SGLang's gauge may show the batch it runs).
     assert out.running_after is not None and out.running_after >= 1, out
     if server.side == "standin":
         assert out.running_after == COUNT, out
