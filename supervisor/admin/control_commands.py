@@ -94,7 +94,7 @@ def arguments(p: argparse.ArgumentParser, name: str) -> None:
         p.add_argument("--wait", action="store_true", help=WAIT_HELP[name])
     p.add_argument(
         "--timeout",
-        type=_duration,
+        type=duration,
         metavar="D",
         help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
         "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
@@ -103,7 +103,7 @@ def arguments(p: argparse.ArgumentParser, name: str) -> None:
     )
 
 
-def _duration(text: str) -> float:
+def duration(text: str) -> float:
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -269,7 +269,7 @@ def render_answer(command: str, http_status: int, doc: dict[str, Any]) -> str:
         which = f"launch {launch}" if isinstance(launch, int) else "a new launch"
         return (
             f"restart accepted: {which} on the primary profile (reason manual); "
-            "follow it with `kimi-serve status` or `kimi-serve restart --wait`"
+            "follow it with `kimi-serve status --watch` (it asks nothing of the daemon)"
         )
     lines = [f"● {command} {'accepted' if http_status == 202 else 'done'}"]
     router = doc.get("router")

@@ -41,6 +41,8 @@ from supervisor.exits import (
 )
 
 PRIMARY = "primary"
+# Serving, in the exit statuses of a wait (0 is EX_OK).
+READY_CODES = (EX_OK, EX_READY_FALLBACK, EX_READY_ROLLED_BACK, EX_READY_RESTARTED)
 SERVING = ("ready", "degraded")
 POLL_S = 1.0
 # Without --timeout: a whole load and a relaunch after it.
@@ -207,16 +209,17 @@ def follow(
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    fresh: bool = False,
 ) -> Outcome:
     """Poll `get()` (/status) every second until `verdict` ends the wait or `timeout` runs
     out (None: `default_timeout` of the first answer). Progress goes to `progress`: one line
     rewritten in place on a terminal, one line per change of state, launch, phase or
-    restarts otherwise."""
+    restarts otherwise. `fresh`: the first answer may already be the outcome (`status
+    --watch`, which asked for nothing: a `failed` it finds is its end)."""
     start = clock()
     tty = progress.isatty()
     first: tuple[Any, ...] | None = None
     bound = 0.0
-    fresh = False
     shown: tuple[Any, ...] | None = None
     doc: dict[str, Any] = {}
     try:
@@ -261,3 +264,11 @@ def follow(
         if tty and shown is not None:
             progress.write("\n")
             progress.flush()
+
+
+def watch(get: Get, timeout: float | None, progress: TextIO) -> Outcome:
+    """`kimi-serve status --watch`: follow the current launch, asking nothing of the daemon,
+    until it serves (0, or 6/7 on the fallback profile or the rolled-back last known good),
+    the daemon gives up (1: `failed`, stopping), `timeout` runs out (3) or the daemon cannot
+    be reached (4). Serving already: at once."""
+    return follow(get, Goal(), timeout, progress, fresh=True)

@@ -249,6 +249,10 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print(f"kimi-serve status: {exc.message}", file=err)
             return EX_NOPERM
         trusted = secret_files.service_uids(args.token_file) if args.token_file else None
+        if args.watch:
+            return status.run_watch_command(
+                args.url, args.timeout, args.json, out, err, token, trusted
+            )
         return status.run_status_command(args.url, args.json, out, err, token, trusted)
     path = config_mod.resolve_path(args.config)
     if path == config_mod.DEFAULT_CONFIG_PATH and not os.path.lexists(path):
@@ -275,6 +279,8 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"kimi-serve status: {exc.message}", file=err)
         return EX_NOPERM
     trusted = secret_files.service_uids(token_file)
+    if args.watch:
+        return status.run_watch_command(base, args.timeout, args.json, out, err, token, trusted)
     return status.run_status_command(base, args.json, out, err, token, trusted)
 
 

@@ -51,7 +51,9 @@ EXITS = {
     "probe": "exit status: 0 probe ok, 1 probe failed, 78 bad config",
     "gpu-clean": "exit status: 0 clean, 1 leftovers that could not be removed, 78 bad config",
     "status": "exit status: 0 ready (or degraded), 3 not ready, 4 unreachable (also: the admin "
-    "address held by another user), 77 the token file is not a usable token file, 78 bad config",
+    "address held by another user), 77 the token file is not a usable token file, 78 bad config; "
+    "with --watch: 0 serving on primary, 6 on the fallback profile, 7 on the rolled-back last "
+    "known good, 1 failed or stopping, 3 not serving when --timeout ran out, 4 unreachable",
     "incidents": "exit status: 0, 1 unknown or ambiguous ID, 2 show without an ID, 78 bad config",
     "canary": "exit status: 0, 1 nothing to show or accept, 78 bad config",
     "demo": "exit status: 0 on Ctrl-C or after --duration",
@@ -97,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report only; kill nothing")
     p = add("status", cmd_status, "ask a running daemon for its state")
     p.add_argument("--json", action="store_true", help="print the /status JSON document")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="follow the current launch until it serves or the daemon gives up, asking "
+        "nothing of the daemon (exit statuses as restart --wait's)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=control.duration,
+        metavar="D",
+        help="with --watch, how long to follow (default twice readiness.load_timeout). "
+        "30s, 15m, 1h or seconds",
+    )
     p.add_argument("--url", metavar="URL", help="admin base URL (default from admin.listen)")
     p.add_argument("--token-file", metavar="FILE", help=token_help)
     for name in control.ANSWER_TIMEOUT:

@@ -147,3 +147,48 @@ def test_a_malformed_token_file_is_an_error(tmp_path: Path) -> None:
     assert f"admin token file {bad} does not hold a usable token" in done.stderr
     done = kimi_serve("restart", "--url", "http://127.0.0.1:9", "--token-file", str(bad))
     assert done.returncode == 77, done
+
+
+def test_status_watch_follows_a_load_without_starting_one(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path, sglang={"env": {"STANDIN_LOAD_SECONDS": "2"}})
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        # Serving already: the watch ends at once, and nothing was asked of the daemon.
+        done = _wait("status", "--watch", "--config", str(d.config_path))
+        assert done.returncode == 0, done
+        assert done.stdout.strip() == "kimi-serve status: ready (launch 1, profile primary)"
+        assert d.status()["child"]["launch"] == 1
+        # A restart accepted without --wait names the watch as the way to follow it.
+        accepted = kimi_serve("restart", "--config", str(d.config_path))
+        assert accepted.returncode == 0, accepted
+        assert "follow it with `kimi-serve status --watch`" in accepted.stdout
+        d.wait_state("loading")
+        done = _wait("status", "--watch", "--config", str(d.config_path))
+        assert done.returncode == 0, done
+        assert done.stdout.strip() == "kimi-serve status: ready (launch 2, profile primary)"
+        assert any(ln.startswith("loading (launch 2, primary)") for ln in done.stderr.splitlines())
+        # Following it started nothing: one restart, the one asked for.
+        status = d.status()
+        assert status["child"]["launch"] == 2
+        assert sum(status["restarts"].values()) == 1
+
+
+def test_status_watch_ends_on_failed_and_on_its_timeout(tmp_path: Path) -> None:
+    cfg = base_config(
+        tmp_path,
+        sglang={"env": {"STANDIN_FAULT": "crash-during-load"}},
+        restart={"crash_loop": {"max_restarts": 2, "window": "1h"}},
+    )
+    with running(tmp_path, cfg) as d:
+        d.wait_state("failed", timeout=60)
+        done = _wait("status", "--watch", "--config", str(d.config_path))
+        assert done.returncode == 1, done
+        assert done.stderr.splitlines()[-1].startswith("kimi-serve status: failed: ")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    cfg = base_config(slow, sglang={"env": {"STANDIN_LOAD_SECONDS": "60"}})
+    with running(slow, cfg) as d:
+        d.wait_state("loading")
+        done = _wait("status", "--watch", "--timeout", "1s", "--config", str(d.config_path))
+        assert done.returncode == 3, done
+        assert "not ready after 1 s" in done.stderr
