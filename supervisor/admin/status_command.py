@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from supervisor import terminal
 from supervisor.admin import client as adminclient
+from supervisor.core.states import how_it_ended
 from supervisor.exits import EX_NOT_READY, EX_READY, EX_UNREACHABLE
 
 TAIL_SHOWN = 25
@@ -209,7 +210,7 @@ def render(doc: dict[str, Any], now: float) -> str:
         out.append("")
         out.append(
             f"Last restart: {last.get('reason')} {_ago(last.get('at'), now)}"
-            + (f" ({', '.join(how)})" if how else "")
+            + how_it_ended(last.get("reason"), how)
         )
         if last.get("detail"):
             out.append(f"  {last['detail']}")
@@ -256,49 +257,6 @@ def router_lines(router: Any, now: float) -> list[str]:
         when = _ago(router.get("last_error_at"), now)
         out.append(f"            last error {when}: {router['last_error']}")
     return out
-
-
-def run_watch_command(
-    base: str,
-    timeout: float | None,
-    as_json: bool,
-    out: TextIO,
-    err: TextIO,
-    token: str | None = None,
-    trusted: frozenset[int] | None = None,
-) -> int:
-    """`status --watch`: progress on stderr, the outcome on stdout (stderr when not ready);
-    with `as_json`, `{"exit", "outcome", "status"}` on stdout."""
-    from supervisor.admin import wait
-
-    owners = trusted if trusted is not None else frozenset({0, os.geteuid()})
-    last: dict[str, Any] = {}
-
-    def get() -> dict[str, Any]:
-        nonlocal last
-        try:
-            r = adminclient.request(
-                "GET", base, "/status", trusted=owners, token=token, deadline=DEADLINE_S
-            )
-            if r.status == 401 and token:
-                r = adminclient.request("GET", base, "/status", trusted=owners, deadline=DEADLINE_S)
-            doc = r.json() if r.status == 200 else None
-        except (adminclient.NotTheService, ValueError) as exc:
-            raise adminclient.Unreachable(str(exc)) from None
-        if not isinstance(doc, dict):
-            raise adminclient.Unreachable(f"/status answered HTTP {r.status}")
-        last = doc
-        return doc
-
-    outcome = wait.watch(get, timeout, err)
-    if as_json:
-        print(
-            json.dumps({"exit": outcome.code, "outcome": outcome.message, "status": last}), file=out
-        )
-    else:
-        stream = out if outcome.code in (EX_READY, *wait.READY_CODES) else err
-        print(f"kimi-serve status: {outcome.message}", file=stream)
-    return outcome.code
 
 
 def run_status_command(

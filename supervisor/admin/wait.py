@@ -22,6 +22,8 @@ Exit statuses (README.md, CLI table; supervisor/exits.py):
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Any, TextIO
 
 from supervisor import terminal
 from supervisor.admin import client as adminclient
+from supervisor.admin.status_command import DEADLINE_S as STATUS_DEADLINE_S
 from supervisor.admin.status_command import hand_overs, load_progress
 from supervisor.exits import (
     EX_FAIL,
@@ -272,3 +275,46 @@ def watch(get: Get, timeout: float | None, progress: TextIO) -> Outcome:
     the daemon gives up (1: `failed`, stopping), `timeout` runs out (3) or the daemon cannot
     be reached (4). Serving already: at once."""
     return follow(get, Goal(), timeout, progress, fresh=True)
+
+
+def run_watch_command(
+    base: str,
+    timeout: float | None,
+    as_json: bool,
+    out: TextIO,
+    err: TextIO,
+    token: str | None = None,
+    trusted: frozenset[int] | None = None,
+) -> int:
+    """`status --watch`: progress on stderr, the outcome on stdout (stderr when not ready);
+    with `as_json`, `{"exit", "outcome", "status"}` on stdout."""
+    owners = trusted if trusted is not None else frozenset({0, os.geteuid()})
+    last: dict[str, Any] = {}
+
+    def get() -> dict[str, Any]:
+        nonlocal last
+        try:
+            r = adminclient.request(
+                "GET", base, "/status", trusted=owners, token=token, deadline=STATUS_DEADLINE_S
+            )
+            if r.status == 401 and token:
+                r = adminclient.request(
+                    "GET", base, "/status", trusted=owners, deadline=STATUS_DEADLINE_S
+                )
+            doc = r.json() if r.status == 200 else None
+        except (adminclient.NotTheService, ValueError) as exc:
+            raise adminclient.Unreachable(str(exc)) from None
+        if not isinstance(doc, dict):
+            raise adminclient.Unreachable(f"/status answered HTTP {r.status}")
+        last = doc
+        return doc
+
+    outcome = watch(get, timeout, err)
+    if as_json:
+        print(
+            json.dumps({"exit": outcome.code, "outcome": outcome.message, "status": last}), file=out
+        )
+    else:
+        stream = out if outcome.code in READY_CODES else err
+        print(f"kimi-serve status: {outcome.message}", file=stream)
+    return outcome.code

@@ -240,6 +240,7 @@ def cmd_gpu_clean(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from supervisor import secret_files
     from supervisor.admin import status_command as status
+    from supervisor.admin import wait as waiting
 
     # With --url the daemon is found without the config file (and the token with --token-file).
     if args.url:
@@ -250,7 +251,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             return EX_NOPERM
         trusted = secret_files.service_uids(args.token_file) if args.token_file else None
         if args.watch:
-            return status.run_watch_command(
+            return waiting.run_watch_command(
                 args.url, args.timeout, args.json, out, err, token, trusted
             )
         return status.run_status_command(args.url, args.json, out, err, token, trusted)
@@ -280,7 +281,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EX_NOPERM
     trusted = secret_files.service_uids(token_file)
     if args.watch:
-        return status.run_watch_command(base, args.timeout, args.json, out, err, token, trusted)
+        return waiting.run_watch_command(base, args.timeout, args.json, out, err, token, trusted)
     return status.run_status_command(base, args.json, out, err, token, trusted)
 
 

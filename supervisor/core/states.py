@@ -140,3 +140,19 @@ class TimerName(StrEnum):
     LIVENESS = "liveness"
     PROBE_RETRY = "probe_retry"
     CLEAN_RETRY = "clean_retry"
+
+
+# The reasons for which SGLang ended by itself; every other restart is kimi-serve stopping a
+# launch it judged (or one asked for): `status` and `incidents show` say which.
+DIED_REASONS = frozenset({Reason.EXITED.value})
+ASKED_REASONS = frozenset({Reason.MANUAL.value, Reason.RELOAD.value})
+
+
+def how_it_ended(reason: object, how: list[str]) -> str:
+    """How a launch ended, in parentheses after its reason: one kimi-serve stopped says so (its
+    `signal 9` is kimi-serve's kill of a live server, not a crash); one that died says how."""
+    if reason in DIED_REASONS:
+        return f" (died: {', '.join(how)})" if how else ""
+    if reason in ASKED_REASONS:
+        return f" (stopped as asked: {', '.join(how)})" if how else ""
+    return f" (stopped by kimi-serve: {reason}{''.join(', ' + h for h in how)})"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from supervisor import terminal
+from supervisor.core.states import DIED_REASONS, how_it_ended
 from supervisor.incidents import (
     _READ_STACKS_MAX,
     INCIDENT_JSON,
@@ -82,7 +83,7 @@ def render_show(path: Path, doc: dict[str, Any], stacks_text: str | None) -> str
         how.append(f"signal {doc['signal']}")
     out.append(
         f"  {doc.get('at_utc')}  {doc.get('reason')}  launch {doc.get('launch')}  "
-        f"profile {doc.get('profile')}" + (f"  ({', '.join(how)})" if how else "")
+        f"profile {doc.get('profile')} " + how_it_ended(doc.get("reason"), how)
     )
     if doc.get("detail"):
         out.append(f"  detail: {doc['detail']}")
@@ -115,7 +116,10 @@ def render_show(path: Path, doc: dict[str, Any], stacks_text: str | None) -> str
     out.append("")
     # Only what is there: a file skipped for space, or removed since, is not offered.
     files = [str(n) for n in doc.get("files") or [] if _present(path, str(n))]
-    why = f" ({LOG_TAIL}: the traceback)" if LOG_TAIL in files else ""
+    # SGLang's own last words where it died or printed a fatal line; else only its last lines.
+    died = doc.get("reason") in DIED_REASONS or doc.get("reason") == "fatal_log"
+    tail_is = "the traceback" if died else "SGLang's last lines"
+    why = f" ({LOG_TAIL}: {tail_is})" if LOG_TAIL in files else ""
     out.append(f"Files: {', '.join(files) or 'none besides what is shown'}{why}")
     return "\n".join(out)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from supervisor import redact
 from supervisor.config import Config
+from supervisor.core.states import DIED_REASONS
 from supervisor.incidents import Incident, IncidentStore, Written, digest_file, stacks
 from supervisor.sglang.loadphases import LoadTimeline
 
@@ -217,9 +218,16 @@ class IncidentRecorder:
 
 
 def _ended(reason: str) -> str:
-    # The main process may still be alive after a worker's death (real SGLang's waits 5 s
-    # before it dies): the launch had ended, which is why no stack was taken.
+    """Why no stack was taken, as it was: SGLang died (`exited`), or kimi-serve stopped a
+    SGLang that ran (a wrong answer, a collapse, a regressed trial: nothing hung to look at)."""
+    if reason in DIED_REASONS:
+        # The main process may still be alive after a worker's death (real SGLang's waits 5 s
+        # before it dies): the launch had ended, which is why no stack was taken.
+        return (
+            f"{stacks.PROCESS_GONE}: the launch had ended ({reason}: SGLang or one of its "
+            "workers died); stacks are taken of a live, hung or broken SGLang only"
+        )
     return (
-        f"{stacks.PROCESS_GONE}: the launch had ended ({reason}: SGLang or one of its workers"
-        " died); stacks are taken of a live, hung or broken SGLang only"
+        f"not taken: kimi-serve stopped a running SGLang ({reason}); nothing hung or crashed, "
+        "stacks are taken of a hung or broken SGLang only"
     )

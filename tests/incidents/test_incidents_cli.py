@@ -83,7 +83,10 @@ def test_show_prints_the_summary_exception_and_hung_frame(
     assert cli.main(["incidents", "show", second, "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert f"Incident {second}" in out
-    assert "liveness_failed  launch 2  profile primary  (signal 9)" in out
+    assert (
+        "liveness_failed  launch 2  profile primary  "
+        "(stopped by kimi-serve: liveness_failed, signal 9)" in out
+    )
     assert "Innermost frames, per process" in out
     assert "wedged_in_all_reduce" in out
     assert cli.main(["incidents", "show", first, "--config", str(config)]) == 0

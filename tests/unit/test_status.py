@@ -69,7 +69,7 @@ def test_render_says_what_on_call_needs() -> None:
     assert "SGLang: pid 4242, up 90 s (2 processes)" in text
     assert "Restarts: 3 (exited 2, fatal_log 1)" in text
     assert "MISMATCH: tp_size: configured 8, server runs 4" in text
-    assert "Last restart: fatal_log 100 s ago (signal 9)" in text
+    assert "Last restart: fatal_log 100 s ago (stopped by kimi-serve: fatal_log, signal 9)" in text
     assert "AttributeError: 'EAGLEWorkerV2'" in text
     assert "line 39" in text and "line 14" not in text  # the last TAIL_SHOWN lines
 
@@ -276,3 +276,19 @@ async def test_an_answer_that_is_not_a_status_is_unreachable_not_a_traceback(
         assert got == 0 and json.loads(out)["since"] == "yesterday"
     finally:
         await served.stop()
+
+
+def test_a_launch_kimi_serve_stopped_says_so_and_one_that_died_says_how() -> None:
+    from supervisor.core.states import how_it_ended
+    from supervisor.incidents.recorder import _ended
+
+    assert how_it_ended("canary_mismatch", ["signal 9"]) == (
+        " (stopped by kimi-serve: canary_mismatch, signal 9)"
+    )
+    assert how_it_ended("liveness_failed", []) == " (stopped by kimi-serve: liveness_failed)"
+    assert how_it_ended("exited", ["exit code 1"]) == " (died: exit code 1)"
+    assert how_it_ended("manual", ["exit code 0"]) == " (stopped as asked: exit code 0)"
+    # The incident's reason for no stacks: nothing died under a canary mismatch.
+    assert "died" not in _ended("canary_mismatch")
+    assert "kimi-serve stopped a running SGLang (canary_mismatch)" in _ended("canary_mismatch")
+    assert "SGLang or one of its workers died" in _ended("exited")
