@@ -62,7 +62,8 @@ EPILOG = {
     "when --timeout ran out",
     "drain": "exit status: 0 drained, 1 refused, failed or not supported, 4 unreachable, 5 the "
     "admin address held by another user, 77 token unreadable or rejected, 78 bad config",
-    "undrain": "exit status: 0 undrained (with --wait: ready and registered), 1 refused or "
+    "undrain": "exit status: 0 undrained, or nothing to do (serving, not draining; with --wait: "
+    "ready and registered), 1 refused (loading, failed) or "
     "failed, 3 not ready when --timeout ran out, 4 unreachable, 5 the admin address held by "
     "another user, 77 token unreadable or rejected, 78 bad config; with --wait also 6 ready "
     "on the fallback profile, 7 on the rolled-back last known good",
@@ -271,7 +272,10 @@ def render_answer(command: str, http_status: int, doc: dict[str, Any]) -> str:
             f"restart accepted: {which} on the primary profile (reason manual); "
             "follow it with `kimi-serve status --watch` (it asks nothing of the daemon)"
         )
-    lines = [f"● {command} {'accepted' if http_status == 202 else 'done'}"]
+    if command == "undrain" and doc.get("already"):
+        lines = [f"● undrain: nothing to do: {doc['already']}"]
+    else:
+        lines = [f"● {command} {'accepted' if http_status == 202 else 'done'}"]
     router = doc.get("router")
     if isinstance(router, dict) and router.get("url"):
         lines.extend(router_lines(router, time.time()))

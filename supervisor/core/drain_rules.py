@@ -20,6 +20,12 @@ class DrainRules(MachineBase):
             return None
         return f"nothing to drain: SGLang is not serving (state {self.ctx.state})"
 
+    def undrain_needless(self) -> str | None:
+        """Why an undrain has nothing to do (serving, not draining), or None."""
+        if self.ctx.state in SERVING:
+            return f"not draining: {self.ctx.state} and in the router's list as usual"
+        return None
+
     def undrain_refusal(self) -> str | None:
         if self.ctx.state is State.DRAINING:
             return None

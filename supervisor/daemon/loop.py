@@ -502,11 +502,15 @@ class Daemon:
             self.dispatch(ev.DrainRequested())
         return refused
 
-    def request_undrain(self) -> str | None:
+    def request_undrain(self) -> tuple[str | None, str | None]:
+        """(why it is refused, what makes it needless): both None when it was done."""
+        needless = self.machine.undrain_needless()
+        if needless is not None:
+            return None, needless
         refused = self.machine.undrain_refusal()
         if refused is None:
             self.dispatch(ev.UndrainRequested())
-        return refused
+        return refused, None
 
     def status_line(self) -> str:
         """STATUS=: world-readable, so the public line (Observed.status_line)."""

@@ -63,15 +63,20 @@ async def answer_drain(
     return DrainAnswer(200, body)
 
 
-async def answer_undrain(link: RouterLink | None, request: Callable[[], str | None]) -> DrainAnswer:
+async def answer_undrain(
+    link: RouterLink | None, request: Callable[[], tuple[str | None, str | None]]
+) -> DrainAnswer:
     """POST /undrain: back to `ready`; the machine's RouterRegister registers again (in the
-    background, retried like any registration), so this answers at once."""
-    refused = request()
+    background, retried like any registration), so this answers at once. A host serving and
+    not draining has nothing to undo: 200 with `undrained: false` and `already` saying so (an
+    undrain is idempotent, as a script retrying it expects)."""
+    refused, already = request()
     if refused:
         return DrainAnswer(409, {"undrained": False, "error": refused})
-    return DrainAnswer(
-        200, {"undrained": True, "router": link.status() if link is not None else None}
-    )
+    router = link.status() if link is not None else None
+    if already:
+        return DrainAnswer(200, {"undrained": False, "already": already, "router": router})
+    return DrainAnswer(200, {"undrained": True, "router": router})
 
 
 class HttpHolder(Protocol):
@@ -95,7 +100,7 @@ class DrainHost(Protocol):
     @property
     def log(self) -> Log: ...
     def request_drain(self) -> str | None: ...
-    def request_undrain(self) -> str | None: ...
+    def request_undrain(self) -> tuple[str | None, str | None]: ...
 
 
 def drain_ops(host: DrainHost) -> tuple[Callable[[], Any], Callable[[], Any]]:

@@ -119,10 +119,15 @@ def test_drain_and_undrain_speak_like_status_and_json(tmp_path: Path) -> None:
         assert done.returncode == 0, done
         doc = json.loads(done.stdout)
         assert doc["undrained"] is True and doc["wait"]["status"]["state"] == "ready"
-        # Refused: undrain when not draining, the same 1 with --json, and JSON on stdout.
+        # Not draining: nothing to undo, exit 0, said so (JSON on stdout with --json).
         done = kimi_serve("undrain", "--json", "--config", config)
-        assert done.returncode == 1, done
-        assert json.loads(done.stdout)["exit"] == 1
+        assert done.returncode == 0, done
+        answer = json.loads(done.stdout)
+        assert answer["undrained"] is False and answer["already"].startswith("not draining")
+        done = kimi_serve("undrain", "--config", config)
+        assert done.returncode == 0, done
+        assert done.stdout.startswith("● undrain: nothing to do: not draining: ready"), done
+        assert d.status()["state"] == "ready"
         assert d.stop() == 0
 
 
