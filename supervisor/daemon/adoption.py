@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -23,13 +25,26 @@ from supervisor.core import events as ev
 from supervisor.core.context import Context
 from supervisor.core.states import State, TimerName
 from supervisor.daemon import upgrades
-from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, SERVING, Daemon, Pipes
+from supervisor.daemon.handover import (
+    DIGEST_ENV,
+    ENV,
+    FORMAT,
+    MEMFD_NAME,
+    SEALS,
+    SERVING,
+    Daemon,
+    Pipes,
+)
 from supervisor.process import Child
 from supervisor.process.adopt import Adopted, Pipe, Unverifiable, verify
 from supervisor.process.identity import ProcessIdentity, live_process
 from supervisor.sglang import argv
 from supervisor.sglang.argv import LaunchSpec
 from supervisor.sglang.logscan import Stream
+
+# A state is a few KiB to a few MiB (the pipes' partial lines, the last restart's log tail):
+# this bounds what a descriptor under the variable's number could make the new daemon read.
+MAX_STATE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,7 @@ def take() -> Inherited | None:
     """The state an earlier exec of this daemon passed on, or None (a start, or a state that
     is not ours: logged). Removes the variable from the environment either way."""
     raw = os.environ.pop(ENV, None)
+    digest = os.environ.pop(DIGEST_ENV, None)
     if raw is None:
         return None
     try:
@@ -54,8 +70,21 @@ def take() -> Inherited | None:
         log.get().warning("hand-over state ignored", why=f"fd {fd} is {link}, not a hand-over")
         return None
     try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & SEALS != SEALS:
+        os.close(fd)
+        log.get().warning("hand-over state ignored", why=f"fd {fd} is not sealed")
+        return None
+    try:
         with os.fdopen(fd, "rb") as f:
-            doc = json.loads(f.read())
+            data = f.read(MAX_STATE_BYTES + 1)
+        if len(data) > MAX_STATE_BYTES:
+            raise ValueError(f"over {MAX_STATE_BYTES} bytes")
+        if digest is None or hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"its SHA-256 is not the one in {DIGEST_ENV}")
+        doc = json.loads(data)
     except (OSError, ValueError) as exc:
         log.get().warning("hand-over state ignored", why=f"unreadable: {exc}")
         return None

@@ -31,6 +31,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
+import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -83,6 +86,9 @@ class Daemon(Protocol):
 
 ENV = "KIMI_SERVE_HANDOVER_FD"
 MEMFD_NAME = "kimi-serve-handover"
+DIGEST_ENV = "KIMI_SERVE_HANDOVER_SHA256"  # the state's SHA-256, checked by the new daemon
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+PR_SET_DUMPABLE = 4
 FORMAT = 1
 # Every signal the daemon handles (daemon/signals.py): blocked from just before the exec until
 # the new daemon has set its handlers, so none meets SIG_DFL in between.
@@ -291,14 +297,30 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
     }
 
 
-def _memfd(doc: dict[str, Any]) -> int:
-    fd = os.memfd_create(MEMFD_NAME, 0)  # no MFD_CLOEXEC: it is for the exec
-    data = json.dumps(doc).encode()
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
+def _memfd(doc: dict[str, Any]) -> tuple[int, str]:
+    """The state on a sealed memfd, and its digest (passed beside it in DIGEST_ENV). Sealed
+    (`SEALS`: no write, no growing, no shrinking, no more seals): a process of the same user
+    that opens it through /proc/<pid>/fd during the exec can read it, never change it."""
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING)  # no MFD_CLOEXEC: for the exec
+    try:
+        data = json.dumps(doc).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, hashlib.sha256(data).hexdigest()
+
+
+def _not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0 until the exec (which resets it): /proc/<pid>/fd of this process is
+    then root's alone, so no process of the service user (SGLang) opens the state meanwhile."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 async def execute(d: Daemon) -> None:
@@ -329,15 +351,16 @@ async def execute(d: Daemon) -> None:
     pipes = d.parts.launcher.owner.release(child)
     memfd = -1
     try:
-        memfd = _memfd(state_of(d, child, pipes, admin_fd))
+        memfd, digest = _memfd(state_of(d, child, pipes, admin_fd))
         passed = [memfd, admin_fd, *(fd for fd, _ in pipes.values())]
         for fd in passed:
             os.set_inheritable(fd, True)
         d.notifier.reloading()
         d.notifier.status(f"handing over to a fresh exec of kimi-serve (pid {os.getpid()})")
-        env = {**os.environ, ENV: str(memfd)}
+        env = {**os.environ, ENV: str(memfd), DIGEST_ENV: digest}
         sys.stdout.flush()
         sys.stderr.flush()
+        _not_dumpable()
         os.execve(sys.executable, sys.orig_argv, env)
     except Exception as exc:  # an exec refused (ENOMEM, E2BIG) or a state not written
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

@@ -4,6 +4,8 @@ never reaches SGLang's environment."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -12,20 +14,72 @@ from collections.abc import Iterator
 import pytest
 
 from supervisor.daemon.adoption import take
-from supervisor.daemon.handover import ENV, FORMAT, MEMFD_NAME, stuck_threads
+from supervisor.daemon.handover import (
+    DIGEST_ENV,
+    ENV,
+    FORMAT,
+    MEMFD_NAME,
+    SEALS,
+    _memfd,
+    stuck_threads,
+)
 
 
 @pytest.fixture(autouse=True)
 def no_variable() -> Iterator[None]:
     yield
     os.environ.pop(ENV, None)
+    os.environ.pop(DIGEST_ENV, None)
 
 
 def memfd(doc: object, name: str = MEMFD_NAME) -> int:
-    fd = os.memfd_create(name, 0)
-    os.write(fd, json.dumps(doc).encode())
+    """A state as the old daemon passes it: sealed, its digest in DIGEST_ENV."""
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+    data = json.dumps(doc).encode()
+    os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    os.environ[DIGEST_ENV] = hashlib.sha256(data).hexdigest()
     return fd
+
+
+def test_the_state_is_sealed_against_any_writer_even_through_proc() -> None:
+    fd, digest = _memfd({"format": FORMAT, "pid": os.getpid()})
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    with pytest.raises(PermissionError):
+        os.write(fd, b"x")
+    # Another process of the user opens it anew through /proc/<pid>/fd: still no writing,
+    # no truncating, no removing the seals.
+    again = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.write(again, b"{}")
+        with pytest.raises(PermissionError):
+            os.ftruncate(again, 0)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(again, fcntl.F_ADD_SEALS, 0)
+    finally:
+        os.close(again)
+    assert hashlib.sha256(os.pread(fd, 1 << 16, 0)).hexdigest() == digest
+    os.close(fd)
+
+
+def test_an_unsealed_state_is_ignored() -> None:
+    fd = os.memfd_create(MEMFD_NAME, 0)
+    data = json.dumps({"format": FORMAT, "pid": os.getpid()}).encode()
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.environ[ENV] = str(fd)
+    os.environ[DIGEST_ENV] = hashlib.sha256(data).hexdigest()
+    assert take() is None
+
+
+def test_a_state_whose_digest_differs_is_ignored() -> None:
+    fd = memfd({"format": FORMAT, "pid": os.getpid()})
+    os.environ[ENV] = str(fd)
+    os.environ[DIGEST_ENV] = "0" * 64
+    assert take() is None
+    assert DIGEST_ENV not in os.environ  # never inherited by SGLang either
 
 
 def test_no_variable_is_an_ordinary_start() -> None:
@@ -81,9 +135,11 @@ def test_a_stale_number_is_ignored() -> None:
 
 
 def test_an_unreadable_state_is_ignored() -> None:
-    fd = os.memfd_create(MEMFD_NAME, 0)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING)
     os.write(fd, b"{half a state")
     os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    os.environ[DIGEST_ENV] = hashlib.sha256(b"{half a state").hexdigest()
     os.environ[ENV] = str(fd)
     assert take() is None
 
