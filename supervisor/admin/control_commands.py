@@ -81,7 +81,13 @@ WAIT_HELP = {
     "its progress",
     "reexec": "wait until the new program has adopted SGLang and is ready (or the hand-over "
     "fell back or failed), showing its progress",
+    # Accepted so that scripts may pass --wait to every operation: a drain's answer is already
+    # its end (out of the router's list, SGLang idle or router.drain_timeout).
+    "drain": "accepted, changes nothing: drain always answers once the router no longer lists "
+    "this host and SGLang is idle (or router.drain_timeout ran out)",
 }
+# The operations whose --wait follows /status afterwards (drain's answer is its end).
+FOLLOWED = frozenset({"restart", "undrain", "reexec"})
 
 
 def arguments(p: argparse.ArgumentParser, name: str) -> None:
@@ -99,7 +105,7 @@ def arguments(p: argparse.ArgumentParser, name: str) -> None:
         metavar="D",
         help=f"how long to wait for the answer (default {timeout:g} s); with --wait, for "
         "the whole wait (default twice readiness.load_timeout). 30s, 15m, 1h or seconds"
-        if name in WAIT_HELP
+        if name in FOLLOWED
         else f"how long to wait for the answer (default {timeout:g} s). 30s, 15m or seconds",
     )
 
@@ -126,7 +132,7 @@ class Request:
 
 def request_of(args: argparse.Namespace, base: str, token_file: str) -> Request:
     """The request the command line asks for (`arguments`' options)."""
-    wait = bool(getattr(args, "wait", False))
+    wait = bool(getattr(args, "wait", False)) and args.command in FOLLOWED
     answer = ANSWER_TIMEOUT[args.command]
     timeout = args.timeout if args.timeout is not None else (None if wait else answer)
     return Request(args.command, base, token_file, timeout, answer, as_json=args.json, wait=wait)

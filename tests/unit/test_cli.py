@@ -458,3 +458,13 @@ def test_canary_accept_refuses_an_answer_the_known_answers_were_not_asked_of(
     assert "refused" in captured.err and store.goldens() == []
     assert cli.main(["canary", "accept", "--yes", "--force", "--config", str(cfg)]) == 0
     assert [g.answer.text for g in store.goldens()] == [" hi there"]
+
+
+def test_drain_accepts_wait_and_it_changes_nothing() -> None:
+    from supervisor.admin import control_commands as control
+    from supervisor.cli.parser import build_parser
+
+    args = build_parser().parse_args(["drain", "--wait", "--url", "http://127.0.0.1:9"])
+    req = control.request_of(args, "http://127.0.0.1:9", "/nonexistent")
+    assert args.wait is True and req.wait is False  # the drain's answer is its end
+    assert req.timeout == control.ANSWER_TIMEOUT["drain"]

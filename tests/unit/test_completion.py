@@ -49,7 +49,8 @@ def test_bash_completes_commands_options_and_files(tmp_path: Path) -> None:
     assert set(_complete("")) >= set(COMMANDS)
     assert _complete("und") == ["undrain"]
     assert set(_complete("restart", "--")) >= {"--wait", "--timeout", "--json", "--config"}
-    assert "--wait" not in _complete("drain", "--")
+    assert "--wait" not in _complete("status", "--")  # status follows with --watch
+    assert "--watch" in _complete("status", "--")
     assert _complete("canary", "a") == ["accept"]
     (tmp_path / "site.yaml").write_text("")
     assert _complete("status", "--config", str(tmp_path / "si")) == [str(tmp_path / "site.yaml")]
