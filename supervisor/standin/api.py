@@ -10,6 +10,7 @@ docs/sglang.md); on the chat route, and batched prompts, it is not imitated and 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from supervisor.standin import metrics
+from supervisor.standin.args import api_key_of
 from supervisor.standin.engine import (
     EOS_TOKEN_ID,
     DecodeError,
@@ -140,9 +142,10 @@ class Api:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.args = engine.args
+        self.api_key = api_key_of(engine.args)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._access_log, self._bad_requests])
+        app = web.Application(middlewares=[self._access_log, self._auth, self._bad_requests])
         r = app.router
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
@@ -173,6 +176,23 @@ class Api:
             where, request.method, request.path_qs, response.status, response.reason
         )
         return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """SGLang's api_key check (srt/utils/auth.py, decide_request_auth, 0.5.23): with a key,
+        every request but OPTIONS and the paths starting /health, /ready or /metrics needs
+        `Authorization: Bearer <key>` (the scheme in any case), else 401
+        {"error": "Unauthorized"}."""
+        if self.api_key is None or request.method == "OPTIONS":
+            return await handler(request)
+        if request.path.startswith(("/health", "/ready", "/metrics")):
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.encode(), self.api_key.encode()
+        ):
+            return await handler(request)
+        return _json({"error": "Unauthorized"}, status=401)
 
     @web.middleware
     async def _bad_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -164,3 +164,20 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """Parse like SGLang (exit 2 with a usage message on a bad known flag)."""
     known, extras = _parser().parse_known_args(argv)
     return ServerArgs(recorded=record_unknown(extras), **vars(known))
+
+
+def api_key_of(args: ServerArgs) -> str | None:
+    """The key the server requires, as SGLang 0.5.23 takes it: `--api-key K`, or `api-key: K`
+    in the YAML file `--config FILE` names (srt/server_args.py:402,
+    srt/utils/server_args_config_parser.py:75; the command line wins). None: no key."""
+    key = args.recorded.get("api_key")
+    if key is None and isinstance(args.recorded.get("config"), str):
+        import yaml
+
+        try:
+            with open(str(args.recorded["config"]), encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise SystemExit(f"cannot read --config {args.recorded['config']}: {exc}") from None
+        key = doc.get("api-key", doc.get("api_key")) if isinstance(doc, dict) else None
+    return None if key is None or key is True else str(key)

@@ -12,11 +12,28 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from testkit import BIN, base_config, running, wait_gone, wait_until
+from testkit.daemon import DaemonProcess
 from testkit.handover import Hammer, access_lines
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def liveness(d: DaemonProcess) -> tuple[float, float]:
+    """(liveness probes passed, liveness probes failed) in the daemon's /metrics."""
+    passed = failed = 0.0
+    for family in text_string_to_metric_families(d.get("/metrics").text):
+        for sample in family.samples:
+            if sample.labels.get("kind") != "liveness":
+                continue
+            ok = sample.labels.get("outcome") == "ok"
+            if sample.name == "kimi_serve_probe_duration_seconds_count" and ok:
+                passed += sample.value
+            elif sample.name == "kimi_serve_probe_failures_total":
+                failed += sample.value
+    return passed, failed
 
 
 def launches(tmp: Path) -> int:
@@ -141,4 +158,33 @@ def test_reexec_is_refused_while_loading(tmp_path: Path) -> None:
         assert r.status_code == 409
         assert "only while serving" in r.json()["error"]
         assert d.post("/reexec", token=False).status_code == 401
+        assert d.stop() == 0
+
+
+def test_a_keyed_sglang_is_handed_over_and_its_probes_keep_passing(tmp_path: Path) -> None:
+    # sglang.api_key_file: the stand-in, like SGLang, answers 401 without the key. The new
+    # daemon's probes carry the key the launch was given; the hand-over is ok only once a
+    # decode succeeded, and SGLang is never relaunched (it was, 401 -> liveness_failed).
+    key = tmp_path / "sglang.key"
+    key.write_text("sk-handed-over\n")
+    key.chmod(0o600)
+    cfg = base_config(tmp_path, sglang={"api_key_file": str(key)})
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        pid = d.sglang_pid()
+        assert d.post("/reexec").status_code == 202
+        done = d.wait_for(lambda e: str(e.get("event")).startswith("hand-over"), timeout=30)
+        while done["event"] != "hand-over complete":
+            assert "fell back" not in done["event"] and "cannot adopt" not in done["event"], done
+            assert "probe failed" not in done["event"], done
+            done = d.wait_for(lambda e: str(e.get("event")).startswith("hand-over"), timeout=30)
+        # More liveness probes than the failure threshold (2) after it, every one passing.
+        before = liveness(d)[0]
+        wait_until(lambda: liveness(d)[0] >= before + 4, 30, "4 more liveness probes")
+        assert liveness(d)[1] == 0
+        status = d.status()
+        assert status["child"]["pid"] == pid and status["state"] == "ready"
+        assert status["daemon"]["last_handoff"]["outcome"] == "ok"
+        assert status["restarts"] == {}
+        assert launches(tmp_path) == 1
         assert d.stop() == 0

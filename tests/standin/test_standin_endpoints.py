@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -253,3 +254,30 @@ def test_metrics_series_and_counters(spec: Standin) -> None:
     assert spec.metric("sglang:num_running_reqs") == 0
     assert spec.metric("sglang:spec_accept_length") > 1.0
     assert spec.metric("sglang:gen_throughput") > 0
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_a_keyed_stand_in_answers_only_requests_that_carry_the_key(
+    launch: Launcher, tmp_path: Path, how: str
+) -> None:
+    # SGLang 0.5.23 (srt/utils/auth.py, decide_request_auth): with --api-key, or api-key in
+    # the YAML of --config (what kimi-serve passes), every path but /health*, /ready* and
+    # /metrics needs `Authorization: Bearer <key>`; 401 {"error": "Unauthorized"} otherwise.
+    key = "sk-standin-key"
+    if how == "flag":
+        s = launch("--api-key", key)
+    else:
+        secrets_file = tmp_path / "secrets.yaml"
+        secrets_file.write_text(f"api-key: {key}\n")
+        s = launch("--config", str(secrets_file))
+    url = s.url("")
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    refused = httpx.post(url + "/generate", json=body, timeout=30)
+    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+    assert httpx.get(url + "/server_info", timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer sk-other"}
+    assert httpx.get(url + "/server_info", headers=wrong, timeout=30).status_code == 401
+    for open_path in ("/health", "/health_generate", "/ready", "/metrics"):
+        assert httpx.get(url + open_path, timeout=30).status_code == 200, open_path
+    keyed = {"Authorization": f"bearer {key}"}  # the scheme in any case
+    assert httpx.post(url + "/generate", json=body, headers=keyed, timeout=30).status_code == 200
