@@ -6,6 +6,7 @@ Names follow the contract and Prometheus conventions: base units, `_total` count
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -324,6 +325,43 @@ class Metrics:
     def set_gpu_source(self, snapshot: Callable[[], Sequence[dict[str, Any]]]) -> None:
         """Where the per-GPU series are read from at scrape time."""
         self._gpu_source = snapshot
+
+    def counters(self) -> list[list[Any]]:
+        """Every counter's non-zero series as [name, labels, value], for a hand-over: the new
+        program goes on from them (`continue_counters`). The hand-overs' own counter is carried
+        apart (Handover.counted)."""
+        out: list[list[Any]] = []
+        for collector in self._counters():
+            for family in collector.collect():
+                for s in family.samples:
+                    if s.name.endswith("_total") and s.value > 0:
+                        out.append([family.name, dict(s.labels), float(s.value)])
+        return out
+
+    def continue_counters(self, carried: object) -> int:
+        """Each carried counter series added to this program's (before /metrics is served,
+        so no scrape sees one go back); what does not name a counter of ours with its labels,
+        or is no finite non-negative number, is skipped. Returns how many were taken."""
+        known = {c._name: c for c in self._counters()}
+        taken = 0
+        for item in carried if isinstance(carried, list) else []:
+            if not (isinstance(item, list) and len(item) == 3):
+                continue
+            name, labels, value = item
+            counter = known.get(name) if isinstance(name, str) else None
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if counter is None or not ok or not math.isfinite(value) or value <= 0:
+                continue
+            if not isinstance(labels, dict) or set(labels) != set(counter._labelnames):
+                continue
+            if not all(isinstance(v, str) for v in labels.values()):
+                continue
+            (counter.labels(**labels) if labels else counter).inc(value)
+            taken += 1
+        return taken
+
+    def _counters(self) -> list[Counter]:
+        return [c for c in vars(self).values() if isinstance(c, Counter) and c is not self.handoffs]
 
     def restart_counts(self) -> dict[str, int]:
         """Restarts by reason (those that happened), read from the counter itself."""

@@ -259,6 +259,7 @@ def state_of(d: Daemon, child: Child, pipes: Pipes, admin_fd: int) -> dict[str, 
         "started_at": d.handover.started_at,
         "handoffs": d.handover.handoffs,
         "counted": d.handover.counted,
+        "counters": d.metrics.counters(),
         "recoveries": d.handover.recoveries,
         "machine": {
             **{name: getattr(ctx, name) for name in _CTX_FIELDS},

@@ -123,6 +123,9 @@ class Daemon:
         inherited = adoption.take()
         if inherited is not None:  # before /metrics is served: the counter never goes back
             self.handover.carried(inherited.doc.get("counted"))
+            # Every other counter too (restarts by reason, SGLang starts, log lines, probe
+            # failures...): an upgrade must not hide a crash history.
+            self.metrics.continue_counters(inherited.doc.get("counters"))
         # asyncio's default handler prints raw tracebacks (e.g. accept() failing with EMFILE).
         loop.set_exception_handler(self._loop_exception)
         host.raise_fd_limit()

@@ -73,7 +73,8 @@ def test_reexec_keeps_sglang_and_the_admin_port(tmp_path: Path) -> None:
         assert 'kimi_serve_state{state="starting"} 0.0' in metrics
         started = re.search(r"^kimi_serve_child_start_time_seconds (\S+)$", metrics, re.M)
         assert started and float(started[1]) == status["child"]["started_at"]
-        assert "kimi_serve_child_starts_total 0.0" in metrics  # no start counted
+        # The one start, carried over the exec; none counted for the hand-over itself.
+        assert "kimi_serve_child_starts_total 1.0" in metrics
         assert status["since"] == before["since"]
         assert status["events"][: len(before["events"])] == before["events"]
         assert d.stop() == 0
@@ -187,4 +188,39 @@ def test_a_keyed_sglang_is_handed_over_and_its_probes_keep_passing(tmp_path: Pat
         assert status["daemon"]["last_handoff"]["outcome"] == "ok"
         assert status["restarts"] == {}
         assert launches(tmp_path) == 1
+        assert d.stop() == 0
+
+
+def totals(d: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter series in the daemon's /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(d.get("/metrics").text):
+        for sample in family.samples:
+            if family.type == "counter" and sample.name.endswith("_total"):
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_restart_history_and_every_counter_go_on_across_a_hand_over(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path)
+    with running(tmp_path, cfg) as d:
+        d.wait_state("ready")
+        assert d.post("/restart").status_code == 202
+        d.wait_for(lambda e: e.get("event") == "launched sglang", timeout=30)
+        d.wait_state("ready", timeout=30)
+        before, counts = d.status(), totals(d)
+        assert before["restarts"] == {"manual": 1}
+        assert counts[("kimi_serve_child_starts_total", ())] == 2
+        assert d.post("/reexec").status_code == 202
+        d.wait_for(lambda e: e.get("event") == "hand-over complete", timeout=30)
+        after = d.status()
+        assert after["restarts"] == {"manual": 1}  # `Restarts: 1 (manual 1)` still
+        assert after["child"]["pid"] == before["child"]["pid"]
+        now = totals(d)
+        # No counter went back (a crash history hidden by an upgrade); none of ours is lost.
+        went_back = {k: (v, now.get(k, 0.0)) for k, v in counts.items() if now.get(k, 0.0) < v}
+        assert went_back == {}, went_back
+        assert now[("kimi_serve_restarts_total", (("reason", "manual"),))] == 1
+        assert now[("kimi_serve_child_starts_total", ())] == 2
+        assert now[("kimi_serve_handoffs_total", (("outcome", "ok"),))] == 1
         assert d.stop() == 0

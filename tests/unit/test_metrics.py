@@ -45,3 +45,28 @@ def test_the_sglang_version_label_is_bounded_and_printable() -> None:
     text = m.render().decode()
     (line,) = [x for x in text.splitlines() if x.startswith("kimi_serve_build_info{")]
     assert len(line) < 200 and 'sglang_version="0.5.23' in line, line[:300]
+
+
+def test_counters_go_on_from_a_hand_over_and_garbage_is_skipped() -> None:
+    old = Metrics()
+    old.restarts.labels("manual").inc()
+    old.child_starts.inc(2)
+    old.handoffs.labels("ok").inc()  # carried apart, never twice
+    carried = old.counters()
+    assert ["kimi_serve_restarts", {"reason": "manual"}, 1.0] in carried
+    assert not [c for c in carried if c[0] == "kimi_serve_handoffs"]
+    new = Metrics()
+    hostile = [
+        ["kimi_serve_restarts", {"reason": "manual", "extra": "x"}, 5.0],  # other labels
+        ["kimi_serve_restarts", {"reason": 3}, 5.0],  # not a label value
+        ["kimi_serve_child_starts", {}, float("nan")],
+        ["kimi_serve_child_starts", {}, -4.0],
+        ["kimi_serve_child_starts", {}, True],
+        ["kimi_serve_no_such_metric", {}, 1.0],
+        ["kimi_serve_ready", {}, 1.0],  # a gauge
+        "not a series",
+    ]
+    assert new.continue_counters([*carried, *hostile]) == len(carried)
+    assert new.continue_counters({"not": "a list"}) == 0
+    assert new.restart_counts() == {"manual": 1}
+    assert new.counters() == carried
