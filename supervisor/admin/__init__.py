@@ -289,6 +289,9 @@ class Served:
 
 # How long a hand-over waits for the admin requests in flight to be answered.
 HAND_OVER_DRAIN_S = 2.0
+# How long a connection accepted just before a hand-over has to send its request (its answer
+# then comes from this program); an idle keep-alive one is closed after it.
+HAND_OVER_GRACE_S = 0.5
 
 
 async def serve(
@@ -357,7 +360,16 @@ async def serve(
             if not new:
                 break
             answered.update(new)
-            await asyncio.gather(*(c.shutdown(left) for c in new), return_exceptions=True)
+            # A connection just accepted may not have sent its request yet: shut down now, it
+            # would be closed unanswered (the client sees a reset). Each gets HAND_OVER_GRACE_S
+            # to send it and be answered (a `Connection: close` client is then gone); only what
+            # is still open after that (an idle keep-alive) is shut down.
+            grace = loop.time() + min(HAND_OVER_GRACE_S, left)
+            while loop.time() < grace and any(c in server.connections for c in new):
+                await asyncio.sleep(0.01)
+            left = max(0.0, deadline - loop.time())
+            still = [c for c in new if c in server.connections]
+            await asyncio.gather(*(c.shutdown(left) for c in still), return_exceptions=True)
         return fd
 
     async def resume(fd: int) -> None:
