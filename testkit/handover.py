@@ -16,6 +16,7 @@ import time
 from collections import Counter
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.daemon import DaemonProcess
 
@@ -78,3 +79,20 @@ class Hammer:
     def __exit__(self, *_: object) -> None:
         self.done.set()
         self.thread.join(10)
+
+
+def liveness(d: DaemonProcess) -> tuple[float, float]:
+    """(liveness probes passed, liveness probes failed) in the daemon's /metrics. After a
+    hand-over the passed count is the new program's own (a histogram, not carried), the
+    failures go on from the old program's (a counter, carried)."""
+    passed = failed = 0.0
+    for family in text_string_to_metric_families(d.get("/metrics").text):
+        for sample in family.samples:
+            if sample.labels.get("kind") != "liveness":
+                continue
+            ok = sample.labels.get("outcome") == "ok"
+            if sample.name == "kimi_serve_probe_duration_seconds_count" and ok:
+                passed += sample.value
+            elif sample.name == "kimi_serve_probe_failures_total":
+                failed += sample.value
+    return passed, failed

@@ -16,24 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from testkit import BIN, base_config, running, wait_gone, wait_until
 from testkit.daemon import DaemonProcess
-from testkit.handover import Hammer, access_lines
+from testkit.handover import Hammer, access_lines, liveness
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def liveness(d: DaemonProcess) -> tuple[float, float]:
-    """(liveness probes passed, liveness probes failed) in the daemon's /metrics."""
-    passed = failed = 0.0
-    for family in text_string_to_metric_families(d.get("/metrics").text):
-        for sample in family.samples:
-            if sample.labels.get("kind") != "liveness":
-                continue
-            ok = sample.labels.get("outcome") == "ok"
-            if sample.name == "kimi_serve_probe_duration_seconds_count" and ok:
-                passed += sample.value
-            elif sample.name == "kimi_serve_probe_failures_total":
-                failed += sample.value
-    return passed, failed
 
 
 def launches(tmp: Path) -> int:

@@ -14,29 +14,13 @@ import secrets
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from testkit import realsglang as real
 from testkit import wait_until
-from testkit.daemon import DaemonProcess
-from testkit.handover import Hammer, access_lines
+from testkit.handover import Hammer, access_lines, liveness
 from testkit.realsglang import LOAD_TIMEOUT, daemon_config, generate, real_daemon, report
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def liveness(d: DaemonProcess) -> tuple[float, float]:
-    """(liveness probes passed, liveness probes failed), from the daemon's /metrics."""
-    passed = failed = 0.0
-    for family in text_string_to_metric_families(d.get("/metrics").text):
-        for s in family.samples:
-            if s.labels.get("kind") != "liveness":
-                continue
-            if s.name == "kimi_serve_probe_duration_seconds_count" and s.labels["outcome"] == "ok":
-                passed += s.value
-            elif s.name == "kimi_serve_probe_failures_total":
-                failed += s.value
-    return passed, failed
 
 
 def test_reexec_over_the_real_keyed_server(tmp_path: Path, sgl: real.SGLangEnv) -> None:
