@@ -25,7 +25,7 @@ from supervisor import secret_files as admin_token
 from supervisor.config import Config
 from supervisor.core import events as ev
 from supervisor.core.machine import Verdict, watches_end
-from supervisor.core.states import ProbeKind, Reason, State, TimerName
+from supervisor.core.states import ProbeKind, State, TimerName
 from supervisor.daemon import (
     adoption,
     handover,
@@ -37,6 +37,7 @@ from supervisor.daemon import (
     startup,
     upgrades,
 )
+from supervisor.daemon.answers import AdminAnswers
 from supervisor.daemon.effects import Effects
 from supervisor.daemon.inbox import Item
 from supervisor.daemon.notify import watchdog_interval
@@ -52,11 +53,9 @@ from supervisor.router import RouterLink
 
 EXTEND_EVERY_S = 10.0  # how often systemd's job is extended (by Machine.job_extension)
 LOOP_ERROR_EVERY_S = 60.0
-# /livez fails when the loop has not turned for this long.
-LOOP_STALE_S = 5.0
 
 
-class Daemon:
+class Daemon(AdminAnswers):
     def __init__(self, cfg: Config, effects: Effects | None = None, parts: Parts | None = None):
         """Every part comes built (`wiring.wire`, unless the caller wired its own)."""
         fx = effects or Effects.real(cfg)
@@ -464,64 +463,3 @@ class Daemon:
                 last_extend = now
             self._beat = now
             await asyncio.sleep(min(wd or 1.0, 1.0))
-
-    # ============================================================ admin backend
-
-    def loop_healthy(self) -> bool:
-        # Preflight awaits its checks on the loop, with no event to dispatch: the loop that
-        # answers /livez meanwhile is the proof it runs.
-        return self._preparing or self.clock() - self._beat < LOOP_STALE_S
-
-    def is_ready(self) -> bool:
-        child = self.launcher.child
-        dying = child is not None and child.dying  # a worker died: the end is being reported
-        return self.machine.ready(dying, None if self.group is None else self.group.ready())
-
-    def render_metrics(self) -> bytes:
-        return self.metrics.render()
-
-    def request_restart(self) -> str | None:
-        refused = self.machine.refuse_restart()
-        if refused is None:
-            self.emit(ev.RestartRequested(Reason.MANUAL))
-        return refused
-
-    def request_upgrade(self, op: str) -> str | None:
-        """POST /upgrade/accept|rollback: None when queued, else why it is refused."""
-        upgrade = ev.UpgradeOp(op)
-        refused = self.machine.upgrade_refusal(upgrade)
-        if refused is None:
-            self.emit(ev.UpgradeRequested(upgrade))
-        return refused
-
-    def next_launch(self) -> int:
-        # The request is queued; the launch it makes comes after every one made so far.
-        return self.machine.ctx.launch + 1
-
-    def request_drain(self) -> str | None:
-        # Dispatched here, not queued: the deregistration must have begun when /drain awaits it.
-        refused = self.machine.drain_refusal()
-        if refused is None:
-            self.dispatch(ev.DrainRequested())
-        return refused
-
-    def request_undrain(self) -> tuple[str | None, str | None]:
-        """(why it is refused, what makes it needless): both None when it was done."""
-        needless = self.machine.undrain_needless()
-        if needless is not None:
-            return None, needless
-        refused = self.machine.undrain_refusal()
-        if refused is None:
-            self.dispatch(ev.UndrainRequested())
-        return refused, None
-
-    def status_line(self) -> str:
-        """STATUS=: world-readable, so the public line (Observed.status_line)."""
-        return self.observed.status_line(public=True)
-
-    def status_document(self) -> dict[str, Any]:
-        return {
-            **self.observed.status_document(),
-            "daemon": self.handover.status(),
-            "upgrade": self.upgrades.status_document(self.machine.ctx, self.clock()),
-        }
