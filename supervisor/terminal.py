@@ -93,9 +93,9 @@ def sanitized(doc: Any, limit: int = DEFAULT_LIMIT) -> Any:
     return doc
 
 
-class Guard(io.TextIOBase):
-    """A text stream that escapes, in whatever is written, every character `shown` would,
-    but for newlines and tabs (see the module)."""
+class Wrapped(io.TextIOBase):
+    """A text stream passed through to `stream`: what every wrapper of a command's stdout or
+    stderr shares (the log's setup asks isatty and fileno of its stream)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -114,6 +114,17 @@ class Guard(io.TextIOBase):
         return getattr(self._stream, "encoding", "utf-8")
 
     def write(self, s: str) -> int:
+        return self._stream.write(s)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+class Guard(Wrapped):
+    """A text stream that escapes, in whatever is written, every character `shown` would,
+    but for newlines and tabs (see the module)."""
+
+    def write(self, s: str) -> int:
         self._stream.write(
             "".join(escape_char(c) if c not in "\n\t" and unsafe(c) else c for c in s)
         )
@@ -122,7 +133,4 @@ class Guard(io.TextIOBase):
     def redraw(self, line: str) -> None:
         """Rewrite the terminal's current line with `line` (escaped)."""
         self._stream.write("\r" + shown(line) + "\x1b[K")
-        self._stream.flush()
-
-    def flush(self) -> None:
         self._stream.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from supervisor import terminal
@@ -259,6 +260,24 @@ def router_lines(router: Any, now: float) -> list[str]:
     return out
 
 
+def fetch(
+    base: str,
+    owners: frozenset[int],
+    token: str | None,
+    on_refused: Callable[[], None] | None = None,
+) -> adminclient.Answer:
+    """GET /status within DEADLINE_S; a token the daemon refuses (401) is said (`on_refused`)
+    and the request made once more without it."""
+    r = adminclient.request(
+        "GET", base, "/status", trusted=owners, token=token, deadline=DEADLINE_S
+    )
+    if r.status == 401 and token:
+        if on_refused is not None:
+            on_refused()
+        r = adminclient.request("GET", base, "/status", trusted=owners, deadline=DEADLINE_S)
+    return r
+
+
 def run_status_command(
     base: str,
     as_json: bool,
@@ -272,23 +291,18 @@ def run_status_command(
     `trusted` users (default: root and this user), on a loopback address."""
     owners = trusted if trusted is not None else frozenset({0, os.geteuid()})
 
-    def get(with_token: str | None) -> adminclient.Answer:
-        return adminclient.request(
-            "GET", base, "/status", trusted=owners, token=with_token, deadline=DEADLINE_S
+    def refused() -> None:
+        # The daemon answered, so it is reachable: the state is still worth reporting.
+        # Without the token /status is whole but for what SGLang printed.
+        print(
+            f"kimi-serve status: the daemon at {base} refused the admin token "
+            "(was the token file replaced? the daemon reads it again on the next request); "
+            "showing /status without it, SGLang's text left out",
+            file=err,
         )
 
     try:
-        r = get(token)
-        if r.status == 401 and token:
-            # The daemon answered, so it is reachable: the state is still worth reporting.
-            # Without the token /status is whole but for what SGLang printed.
-            print(
-                f"kimi-serve status: the daemon at {base} refused the admin token "
-                "(was the token file replaced? the daemon reads it again on the next request); "
-                "showing /status without it, SGLang's text left out",
-                file=err,
-            )
-            r = get(None)
+        r = fetch(base, owners, token, refused)
         if r.status != 200:
             raise ValueError(f"HTTP {r.status} {r.reason}")
         doc = r.json()

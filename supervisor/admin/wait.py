@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from supervisor import terminal
 from supervisor.admin import client as adminclient
-from supervisor.admin.status_command import DEADLINE_S as STATUS_DEADLINE_S
+from supervisor.admin import status_command
 from supervisor.admin.status_command import hand_overs, load_progress
 from supervisor.exits import (
     EX_FAIL,
@@ -294,13 +294,7 @@ def run_watch_command(
     def get() -> dict[str, Any]:
         nonlocal last
         try:
-            r = adminclient.request(
-                "GET", base, "/status", trusted=owners, token=token, deadline=STATUS_DEADLINE_S
-            )
-            if r.status == 401 and token:
-                r = adminclient.request(
-                    "GET", base, "/status", trusted=owners, deadline=STATUS_DEADLINE_S
-                )
+            r = status_command.fetch(base, owners, token)
             doc = r.json() if r.status == 200 else None
         except (adminclient.NotTheService, ValueError) as exc:
             raise adminclient.Unreachable(str(exc)) from None

@@ -6,7 +6,6 @@ The parser is `cli.parser` (completion is generated from it), what each command 
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections.abc import Sequence
@@ -15,26 +14,13 @@ from typing import TextIO, cast
 from supervisor.cli.parser import build_parser as build_parser
 from supervisor.exits import EX_CONFIG as EX_CONFIG
 from supervisor.exits import EX_FAIL, EX_OK
-from supervisor.terminal import Guard
+from supervisor.terminal import Guard, Wrapped
 
 
-class _Stdout(io.TextIOBase):
+class _Stdout(Wrapped):
     """stdout for a command: once the reader has gone (`kimi-serve status | head -1`), what
     is left is written to /dev/null, so the command ends quietly with the exit code it would
     have had (the state, for `status`) instead of a BrokenPipeError."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def writable(self) -> bool:
-        return True
-
-    # What the log's setup asks of its stream (colours on a terminal, the journal's prefix).
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
 
     def write(self, s: str) -> int:
         try:

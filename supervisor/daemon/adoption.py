@@ -85,8 +85,8 @@ def take() -> Inherited | None:
         if digest is None or hashlib.sha256(data).hexdigest() != digest:
             raise ValueError(f"its SHA-256 is not the one in {DIGEST_ENV}")
         doc = json.loads(data)
-    except (OSError, ValueError) as exc:
-        log.get().warning("hand-over state ignored", why=f"unreadable: {exc}")
+    except (OSError, ValueError, RecursionError) as exc:
+        log.get().warning("hand-over state ignored", why=f"unreadable: {exc!r}")
         return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("pid") != os.getpid():
         log.get().warning("hand-over state ignored", why="not written for this process")

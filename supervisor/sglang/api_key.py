@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import tempfile
 from collections.abc import Generator
 
 import httpx
 import yaml
 
-from supervisor import secret_files
+from supervisor import secret_files, untrusted
 from supervisor.config import Config, key_file_problem
 from supervisor.sglang.argv import secrets_path
 
@@ -108,19 +107,9 @@ def launched_key(cfg: Config) -> tuple[str | None, str | None]:
 
 def _written_key(path: str) -> str | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            return None
-        raw = f.read(MAX_KEY_BYTES + 1)
-    if len(raw) > MAX_KEY_BYTES:
-        return None
-    try:
+        raw = untrusted.read_file(path, MAX_KEY_BYTES)  # regular, no link, no FIFO, bounded
         doc = yaml.safe_load(raw.decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
         return None
     key = doc.get("api-key") if isinstance(doc, dict) else None
     if (
